@@ -1,0 +1,14 @@
+"""jax_scalify: end-to-end scale propagation for FP16 and FP8 training in JAX."""
+from . import core, lax
+from .core import (
+    Pow2RoundMode,
+    ScaledArray,
+    ScalifyConfig,
+    as_scaled_array,
+    asarray,
+    is_scaled_leaf,
+    scaled_array,
+    scalify,
+)
+
+__version__ = "0.2.0.dev0"

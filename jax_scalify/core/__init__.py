@@ -1,0 +1,46 @@
+"""Core of jax_scalify: the data model, power-of-two arithmetic, config, registry, interpreter."""
+from .array import ScaledArray, as_scaled_array, asarray, is_floating_dtype, is_scaled_leaf, scaled_array
+from .config import Pow2RoundMode, ScalifyConfig, get_scalify_config
+from .interpreter import eval_scaled_jaxpr, scalify
+from .pow2 import get_mantissa, pow2_decompose, pow2_exponent, pow2_round, pow2_round_down, pow2_round_up
+from .promotion import AnyScaleArray, is_any_scale
+from .registry import (
+    RegisteredRule,
+    ScaledPrimitiveType,
+    find_registered_scaled_op,
+    primitive_of,
+    register_scalar_preserving,
+    register_scaled_lax_op,
+    register_scaled_op,
+    registered_rules,
+)
+
+__all__ = [
+    "AnyScaleArray",
+    "Pow2RoundMode",
+    "RegisteredRule",
+    "ScaledArray",
+    "ScaledPrimitiveType",
+    "ScalifyConfig",
+    "as_scaled_array",
+    "asarray",
+    "eval_scaled_jaxpr",
+    "find_registered_scaled_op",
+    "get_mantissa",
+    "get_scalify_config",
+    "is_any_scale",
+    "is_floating_dtype",
+    "is_scaled_leaf",
+    "pow2_decompose",
+    "pow2_exponent",
+    "pow2_round",
+    "pow2_round_down",
+    "pow2_round_up",
+    "primitive_of",
+    "register_scalar_preserving",
+    "register_scaled_lax_op",
+    "register_scaled_op",
+    "registered_rules",
+    "scaled_array",
+    "scalify",
+]

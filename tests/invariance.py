@@ -1,0 +1,147 @@
+"""The invariance harness: in float32, ``scalify(f)`` on scaled inputs equals ``f`` on values.
+
+A :class:`Case` names a function and how to draw its inputs. :func:`check_case` draws
+inputs and power-of-two scales from a Hypothesis ``data`` object, runs ``f`` on the plain
+values and ``scalify(f)`` on the scaled inputs, and checks that
+
+- the values agree to float32 round-off,
+- every output scale is an exact power of two,
+- with ``grad=True``, the same holds for ``jax.grad`` of ``sum(f)`` taken inside scalify.
+
+Every test module with rules defines ``INVARIANCE_CASES``; ``tests/properties`` runs them
+all and checks that together they exercise every registered rule.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_scalify as jsa
+
+ArgMaker = Callable[[np.random.Generator], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """An invariance case.
+
+    Attributes:
+        name: test id.
+        fn: the plain JAX function, of positional array arguments.
+        args: one maker per argument: ``maker(rng) -> np.ndarray`` (use the helpers below).
+        scaled: per argument, whether it is passed as a ``ScaledArray`` (default: all
+            floating arguments).
+        grad: also check ``jax.grad(lambda *a: sum(fn(*a)))`` w.r.t. the first argument.
+        rtol, atol: tolerance of the value comparison (atol relative to the largest |value|).
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    args: Sequence[ArgMaker]
+    scaled: Sequence[bool] | None = None
+    grad: bool = False
+    rtol: float = 2e-5
+    atol: float = 1e-6
+
+
+def normal(*shape: int) -> ArgMaker:
+    return lambda rng: rng.standard_normal(shape).astype(np.float32)
+
+
+def positive(*shape: int, low: float = 0.1, high: float = 4.0) -> ArgMaker:
+    return lambda rng: rng.uniform(low, high, shape).astype(np.float32)
+
+
+def integers(*shape: int, low: int = 0, high: int = 4, dtype=np.int32) -> ArgMaker:
+    return lambda rng: rng.integers(low, high, shape).astype(dtype)
+
+
+def booleans(*shape: int) -> ArgMaker:
+    return lambda rng: rng.random(shape) < 0.5
+
+
+def scale_exponents(max_abs: int = 20):
+    return st.integers(min_value=-max_abs, max_value=max_abs)
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(np.asarray(x).dtype, jnp.floating)
+
+
+def assert_pow2_scales(tree: Any) -> None:
+    """Every ``ScaledArray`` scale in ``tree`` is a positive power of two (or exactly 0)."""
+    for leaf in jax.tree.leaves(tree, is_leaf=jsa.is_scaled_leaf):
+        if isinstance(leaf, jsa.ScaledArray):
+            scale = np.asarray(leaf.scale, np.float64)
+            ok = (scale == 0) | (scale == np.asarray(jsa.core.pow2_round_down(scale)))
+            assert np.all(ok) and np.all(scale >= 0), f"scale {scale} is not a power of two"
+
+
+def assert_close_values(got: Any, expected: Any, rtol: float, atol: float) -> None:
+    got_leaves = jax.tree.leaves(jsa.asarray(got))
+    exp_leaves = jax.tree.leaves(expected)
+    assert len(got_leaves) == len(exp_leaves)
+    for g, e in zip(got_leaves, exp_leaves):
+        g, e = np.asarray(g), np.asarray(e)
+        assert g.shape == e.shape and g.dtype == e.dtype, (g.shape, g.dtype, e.shape, e.dtype)
+        if _is_float(e):
+            scale = max(float(np.max(np.abs(e[np.isfinite(e)]), initial=0.0)), 1e-30)
+            np.testing.assert_allclose(g.astype(np.float64), e.astype(np.float64), rtol=rtol, atol=atol * scale)
+        else:
+            np.testing.assert_array_equal(g, e)
+
+
+def draw_inputs(case: Case, data: st.DataObject) -> tuple[list, list]:
+    """Plain inputs and their scaled counterparts (random power-of-two scales)."""
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    rng = np.random.default_rng(seed)
+    plain = [make(rng) for make in case.args]
+    scaled_flags = case.scaled or [_is_float(x) for x in plain]
+    scaled = []
+    for x, flag in zip(plain, scaled_flags):
+        if flag and _is_float(x):
+            exponent = data.draw(scale_exponents(), label="scale exponent")
+            scale = np.float32(2.0**exponent)
+            scaled.append(jsa.ScaledArray(jnp.asarray(x / scale), jnp.asarray(scale)))
+        else:
+            scaled.append(jnp.asarray(x))
+    return [jnp.asarray(x) for x in plain], scaled
+
+
+def check_case(case: Case, data: st.DataObject) -> None:
+    plain, scaled = draw_inputs(case, data)
+    expected = case.fn(*plain)
+    got = jsa.scalify(case.fn)(*scaled)
+    assert_pow2_scales(got)
+    assert_close_values(got, expected, case.rtol, case.atol)
+    if case.grad:
+        grad_fn = jax.grad(lambda *a: jnp.sum(jnp.asarray(case.fn(*a), jnp.float32)))
+        expected_grad = grad_fn(*plain)
+        got_grad = jsa.scalify(grad_fn)(*scaled)
+        assert_pow2_scales(got_grad)
+        assert_close_values(got_grad, expected_grad, case.rtol, case.atol)
+
+
+def primitives_of(case: Case) -> set[str]:
+    """Names of the primitives (sub-jaxprs included) that ``case`` exercises."""
+    rng = np.random.default_rng(0)
+    args = [jnp.asarray(make(rng)) for make in case.args]
+    fns = [case.fn]
+    if case.grad:
+        fns.append(jax.grad(lambda *a: jnp.sum(jnp.asarray(case.fn(*a), jnp.float32))))
+    names: set[str] = set()
+    for fn in fns:
+        _collect(jax.make_jaxpr(fn)(*args).jaxpr, names)
+    return names
+
+
+def _collect(jaxpr, names: set[str]) -> None:
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _collect(getattr(sub, "jaxpr", sub), names)
