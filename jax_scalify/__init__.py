@@ -1,14 +1,16 @@
 """jax_scalify: end-to-end scale propagation for FP16 and FP8 training in JAX."""
-from . import core, lax
+from . import core, lax, ops, quantization, tree
 from .core import (
     Pow2RoundMode,
     ScaledArray,
     ScalifyConfig,
     as_scaled_array,
     asarray,
+    custom_scale,
     is_scaled_leaf,
     scaled_array,
     scalify,
 )
+from .ops import debug_callback
 
 __version__ = "0.2.0.dev0"

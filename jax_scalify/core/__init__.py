@@ -1,7 +1,8 @@
 """Core of jax_scalify: the data model, power-of-two arithmetic, config, registry, interpreter."""
 from .array import ScaledArray, as_scaled_array, asarray, is_floating_dtype, is_scaled_leaf, scaled_array
 from .config import Pow2RoundMode, ScalifyConfig, get_scalify_config
-from .interpreter import eval_scaled_jaxpr, scalify
+from .custom_scale import custom_scale, custom_scale_call_p
+from .interpreter import eval_scaled_jaxpr, scalify, unpromoted_inputs
 from .pow2 import get_mantissa, pow2_decompose, pow2_exponent, pow2_round, pow2_round_down, pow2_round_up
 from .promotion import AnyScaleArray, is_any_scale
 from .registry import (
@@ -24,6 +25,8 @@ __all__ = [
     "ScalifyConfig",
     "as_scaled_array",
     "asarray",
+    "custom_scale",
+    "custom_scale_call_p",
     "eval_scaled_jaxpr",
     "find_registered_scaled_op",
     "get_mantissa",
@@ -43,4 +46,5 @@ __all__ = [
     "registered_rules",
     "scaled_array",
     "scalify",
+    "unpromoted_inputs",
 ]

@@ -111,9 +111,8 @@ class ScaledArray:
         """
         dtype = self.dtype if dtype is None else dtype
         npapi = np if isinstance(self.data, np.ndarray) and isinstance(self.scale, (np.ndarray, np.generic)) else jnp
-        work = jnp.promote_types(self.data.dtype, self.scale.dtype)
-        if not jnp.issubdtype(work, jnp.floating) or jnp.finfo(work).bits < 32:
-            work = jnp.float32
+        widest = max(jnp.finfo(self.data.dtype).bits, jnp.finfo(self.scale.dtype).bits, 32)
+        work = jnp.float64 if widest == 64 else jnp.float32
         value = npapi.asarray(self.data).astype(work) * npapi.asarray(self.scale).astype(work)
         return value.astype(dtype)
 

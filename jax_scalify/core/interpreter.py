@@ -13,6 +13,7 @@ control-flow primitives, live in :mod:`jax_scalify.lax` and are looked up in the
 """
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 from typing import Any, Callable, Sequence
@@ -46,6 +47,17 @@ def _is_tracing_user_code() -> bool:
     return _trace_state.depth > 0
 
 
+def unpromoted_inputs(rule: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: the scale rule receives its inputs as they are (unscaled ones not promoted).
+
+    For rules of primitives that hold sub-jaxprs (``scan``, ``while``, ``cond``,
+    ``checkpoint``): they pass unscaled inputs into the sub-jaxpr unscaled, so that only the
+    values that meet a scaled one inside it get a scale.
+    """
+    rule._jsa_unpromoted_inputs = True
+    return rule
+
+
 def scalify(fun: Callable[..., Any]) -> Callable[..., Any]:
     """Transform ``fun`` to propagate power-of-two scales through every operation.
 
@@ -62,6 +74,7 @@ def scalify(fun: Callable[..., Any]) -> Callable[..., Any]:
     """
     if getattr(fun, "_jsa_scalified", False):
         return fun
+    trace_cache: collections.OrderedDict = collections.OrderedDict()
 
     @functools.wraps(fun)
     def scalified(*args, **kwargs):
@@ -69,8 +82,10 @@ def scalify(fun: Callable[..., Any]) -> Callable[..., Any]:
         if _is_tracing_user_code() and not any(isinstance(x, ScaledArray) for x in leaves):
             # Called while an outer scalify traces: the outer interpreter sees these equations.
             return fun(*args, **kwargs)
-        closed_jaxpr, out_tree = _trace_on_data(fun, in_tree, leaves)
-        outs = eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, leaves)
+        dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+        closed_jaxpr, out_tree = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
+        dynamic_leaves = [leaves[i] for i in dynamic]
+        outs = eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, dynamic_leaves)
         return jax.tree.unflatten(out_tree, [_as_jax_arrays(x) for x in outs])
 
     scalified._jsa_scalified = True
@@ -84,11 +99,57 @@ def _as_jax_arrays(x):
     return jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
 
 
-def _trace_on_data(fun, in_tree, leaves) -> tuple[ClosedJaxpr, Any]:
-    """Trace ``fun`` with every ``ScaledArray`` standing in as its data."""
+def _is_dynamic(leaf) -> bool:
+    """Arrays and numbers are traced; any other leaf (a dtype, a string ...) is static."""
+    if isinstance(leaf, (ScaledArray, bool, int, float, complex)):
+        return True
+    return not isinstance(leaf, (type, np.dtype)) and hasattr(leaf, "dtype") and hasattr(leaf, "shape")
+
+
+_TRACE_CACHE_SIZE = 32
+
+
+def _cached_trace(cache, fun, in_tree, leaves, dynamic) -> tuple[ClosedJaxpr, Any]:
+    """The jaxpr of ``fun`` for these input types, traced once per type signature.
+
+    Like ``jax.jit``, a trace is reused for inputs of the same tree, shapes and dtypes (and
+    equal static leaves). Traces holding tracers of an enclosing transformation as
+    constants are never reused.
+    """
+    try:
+        key = (in_tree, tuple(_leaf_signature(x, i in dynamic) for i, x in enumerate(leaves)))
+        hash(key)
+    except TypeError:  # an unhashable static leaf: trace every time
+        return _trace_on_data(fun, in_tree, leaves, dynamic)
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    traced = _trace_on_data(fun, in_tree, leaves, dynamic)
+    if not any(isinstance(c, jax.core.Tracer) for c in traced[0].consts):
+        cache[key] = traced
+        if len(cache) > _TRACE_CACHE_SIZE:
+            cache.popitem(last=False)
+    return traced
+
+
+def _leaf_signature(leaf, is_dynamic: bool):
+    if not is_dynamic:
+        return ("static", leaf)
+    return jax.typeof(leaf.data if isinstance(leaf, ScaledArray) else leaf)
+
+
+def _trace_on_data(fun, in_tree, leaves, dynamic) -> tuple[ClosedJaxpr, Any]:
+    """Trace ``fun`` with every ``ScaledArray`` standing in as its data.
+
+    ``dynamic`` indexes the leaves that become the jaxpr's arguments; the other (static)
+    leaves are baked into the trace.
+    """
     out_tree_box = []
 
-    def flat_fun(*flat):
+    def flat_fun(*flat_dynamic):
+        flat = list(leaves)
+        for i, x in zip(dynamic, flat_dynamic):
+            flat[i] = x
         args, kwargs = jax.tree.unflatten(in_tree, flat)
         _trace_state.depth += 1
         try:
@@ -99,7 +160,7 @@ def _trace_on_data(fun, in_tree, leaves) -> tuple[ClosedJaxpr, Any]:
         out_tree_box.append(out_tree)
         return out_flat
 
-    examples = [x.data if isinstance(x, ScaledArray) else x for x in leaves]
+    examples = [leaves[i].data if isinstance(leaves[i], ScaledArray) else leaves[i] for i in dynamic]
     closed_jaxpr = jax.make_jaxpr(flat_fun)(*examples)
     return closed_jaxpr, out_tree_box[0]
 
@@ -168,16 +229,31 @@ def _eval_equation(eqn: JaxprEqn, invals: list, in_scalars: list) -> tuple[list,
         return _bind(eqn, invals), _propagate_scalars(eqn, in_scalars)
     if rule is None:
         raise _missing_rule_error(eqn, invals)
-    inputs = [_promote_if_floating(x, s) for x, s in zip(invals, in_scalars)]
+    if getattr(rule, "_jsa_unpromoted_inputs", False):
+        inputs = list(invals)
+    else:
+        inputs = [_promote_if_floating(x, s) for x, s in zip(invals, in_scalars)]
     outs = rule(*inputs, **eqn.params)
     outs = list(outs) if prim.multiple_results else [outs]
     _check_rule_outputs(eqn, outs)
-    return outs, [None] * len(outs)
+    return _keep_any_scale(prim, inputs, outs), [None] * len(outs)
+
+
+def _keep_any_scale(prim, inputs: list, outs: list) -> list:
+    """A scalar-preserving primitive maps a constant 0 or ±inf to a constant 0 or ±inf.
+
+    Keeps e.g. ``broadcast_in_dim(convert_element_type(0.0))`` any-scale inside a jitted
+    call that received the literal 0.0 as an argument (as ``jnp.where`` does).
+    """
+    floating = [x for x in inputs if isinstance(x, ScaledArray)]
+    if floating and all(isinstance(x, AnyScaleArray) for x in floating) and scalar_preserving_fn(prim):
+        return [AnyScaleArray(o.data, o.scale) if isinstance(o, ScaledArray) else o for o in outs]
+    return outs
 
 
 def _bind(eqn: JaxprEqn, invals: list) -> list:
-    subfuns, params = eqn.primitive.get_bind_params(eqn.params)
-    outs = eqn.primitive.bind(*subfuns, *invals, **params)
+    params = eqn.primitive.get_bind_params(eqn.params)  # a dict of bind params in JAX >= 0.10
+    outs = eqn.primitive.bind(*invals, **params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 

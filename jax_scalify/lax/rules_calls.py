@@ -7,6 +7,8 @@ jaxpr).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax.extend.core import ClosedJaxpr
 
@@ -22,15 +24,21 @@ def _eval_closed(closed: ClosedJaxpr, args) -> list:
     return eval_scaled_jaxpr(closed.jaxpr, closed.consts, args)
 
 
-@register_scaled_op(jit_p)
-def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, **params):
-    """Sub-jaxpr scalified and re-emitted as a jitted call with the same name and options."""
+@functools.lru_cache(maxsize=1024)
+def _jitted_body(jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool):
+    """One ``jax.jit`` per sub-jaxpr, so repeated calls hit JAX's compilation cache."""
 
     def body(*inner_args):
         return _eval_closed(jaxpr, inner_args)
 
     body.__name__ = name
-    return jax.jit(body, inline=inline, keep_unused=keep_unused)(*args)
+    return jax.jit(body, inline=inline, keep_unused=keep_unused)
+
+
+@register_scaled_op(jit_p)
+def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, **params):
+    """Sub-jaxpr scalified and re-emitted as a jitted call with the same name and options."""
+    return _jitted_body(jaxpr, name, inline, keep_unused)(*args)
 
 
 @register_scaled_op(custom_jvp_call_p)

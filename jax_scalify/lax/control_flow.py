@@ -1,0 +1,380 @@
+"""Rules of the control-flow primitives and of the primitives that run user code.
+
+- ``scan``, ``while`` and ``cond`` (``lax.scan``, ``lax.fori_loop``, ``lax.while_loop``,
+  ``lax.cond``, ``lax.switch``) are re-emitted with the public ``jax.lax`` functions over
+  bodies and branches that run the scalify interpreter on the sub-jaxprs;
+- ``checkpoint`` (``remat2``) is re-emitted as a checkpoint with the same policy,
+  ``prevent_cse`` and ``differentiated`` flags;
+- host callbacks (``pure_callback``, ``io_callback``, ``debug_callback``,
+  ``debug_print``) receive plain values and return plain values;
+- ``sharding_constraint`` constrains the data and replicates the scalar scale.
+
+These rules take their inputs unpromoted (:func:`~jax_scalify.core.interpreter.unpromoted_inputs`),
+so unscaled values stay unscaled inside the sub-jaxprs until they meet a scaled one.
+
+Structure of loop carries and branch outputs: a loop carry must have the same type on
+entry and exit of the body, and every branch of a ``cond`` must return the same types.
+Which carries (outputs) are ``ScaledArray`` is therefore found by iterating to a fixed
+point: the body (branches) is traced assuming a set of scaled carries (outputs), starting
+with those scaled on entry (none for ``cond``); if an output comes out scaled where it
+was assumed plain, it joins the set and the trace is redone. The set only grows, so this
+ends after at most one retry per carry. Plain values that must be scaled are promoted
+with scale 1 (the value is unchanged), and carried scales are scalars of the configured
+scale dtype: a carry's scale is an ordinary loop variable and may change from one
+iteration to the next.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+from jax.extend.core import ClosedJaxpr, Jaxpr
+
+from ..core.array import ScaledArray
+from ..core.interpreter import eval_scaled_jaxpr, unpromoted_inputs
+from ..core.registry import ScaledPrimitiveType, lax_primitive, primitive_of, register_scaled_op
+from .base_scaling import as_scale, mul_data, rescale, scale_dtype
+
+Array = Any
+
+scan_p = lax_primitive("scan")
+while_p = lax_primitive("while")
+cond_p = lax_primitive("cond")
+remat_p = lax_primitive("remat")
+sharding_constraint_p = lax_primitive("sharding_constraint")
+
+_f32 = jax.ShapeDtypeStruct((), np.float32)
+pure_callback_p = primitive_of(lambda x: jax.pure_callback(lambda v: v, _f32, x), np.float32(0))
+io_callback_p = primitive_of(lambda x: io_callback(lambda v: v, _f32, x), np.float32(0))
+debug_callback_p = primitive_of(lambda x: jax.debug.callback(lambda v: None, x), np.float32(0))
+debug_print_p = primitive_of(lambda x: jax.debug.print("{}", x), np.float32(0))
+
+
+# --- carry structure: which values are scaled, and the fixed point over it ------------------
+class _ScaledStructureGrew(Exception):
+    """Raised while tracing a body or branch whose outputs are scaled where assumed plain."""
+
+    def __init__(self, owner: object, scaled: tuple[bool, ...]):
+        super().__init__("internal to jax_scalify: loop carry structure changed, retracing")
+        self.owner = owner
+        self.scaled = scaled
+
+
+def _is_scaled(x: Any) -> bool:
+    return isinstance(x, ScaledArray)
+
+
+def _plain(x: Any) -> Any:
+    return x.to_array() if isinstance(x, ScaledArray) else x
+
+
+def _is_concrete(x: Any) -> bool:
+    """A trace-time constant: NumPy, or a JAX array that is not a tracer."""
+    return isinstance(x, (np.ndarray, np.generic)) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
+
+
+def _with_scalar_scale(x: ScaledArray) -> ScaledArray:
+    """``x`` with a scalar scale (a broadcast scale is rebalanced to its maximum)."""
+    if np.ndim(x.scale) == 0:
+        return x
+    return rescale(x, jnp.max(jnp.asarray(x.scale)))
+
+
+def _as_carried(x: Any) -> ScaledArray:
+    """``x`` as a ``ScaledArray`` with a scalar scale array of the configured dtype (plain: scale 1)."""
+    if not _is_scaled(x):
+        return ScaledArray(x, jnp.ones((), scale_dtype()))
+    x = _with_scalar_scale(x)
+    return ScaledArray(x.data, jnp.asarray(as_scale(x.scale)))
+
+
+def _flatten(values: Sequence[Any], scaled: Sequence[bool]) -> list:
+    """Flat list of arrays: ``data, scale`` for the scaled positions, the value elsewhere."""
+    flat = []
+    for value, is_scaled in zip(values, scaled):
+        if is_scaled:
+            value = _as_carried(value)
+            flat += [value.data, value.scale]
+        else:
+            flat.append(value)
+    return flat
+
+
+def _unflatten(flat: Sequence[Any], scaled: Sequence[bool]) -> list:
+    it = iter(flat)
+    return [ScaledArray(next(it), next(it)) if is_scaled else next(it) for is_scaled in scaled]
+
+
+def _check_structure(owner: object, outs: Sequence[Any], scaled: tuple[bool, ...]) -> None:
+    grown = tuple(s or _is_scaled(o) for s, o in zip(scaled, outs))
+    if grown != scaled:
+        raise _ScaledStructureGrew(owner, grown)
+
+
+def _fixed_point(run: Callable[[tuple[bool, ...], object], Any], scaled: Sequence[bool]):
+    """``run(scaled, owner)`` retried with a grown ``scaled`` until its trace succeeds."""
+    owner = object()
+    scaled = tuple(scaled)
+    for _ in range(len(scaled) + 1):
+        try:
+            return scaled, run(scaled, owner)
+        except _ScaledStructureGrew as err:
+            if err.owner is not owner:
+                raise
+            scaled = err.scaled
+    raise AssertionError("unreachable: the scaled set grows at every retry")
+
+
+def _eval_closed(closed: ClosedJaxpr, args: Sequence[Any]) -> list:
+    return eval_scaled_jaxpr(closed.jaxpr, closed.consts, list(args))
+
+
+# --- stacked outputs: per-iteration scales rebalanced to one scalar -------------------------
+def _rebalance_stacked(data: Array, scales: Array) -> ScaledArray:
+    """One ``ScaledArray`` from stacked data (axis 0) with one scale per slice.
+
+    The common scale is the largest; every slice is multiplied by ``its scale / largest``,
+    a power of two at most 1, so values are kept exactly unless they are more than the
+    data dtype's range below the largest slice (then they underflow, as in any tensor
+    with one scale). A largest scale of 0 (all slices asserted zero) keeps the data.
+    """
+    scales = jnp.asarray(scales)
+    if data.shape[0] == 0:
+        return ScaledArray(data, jnp.ones((), scales.dtype))
+    top = jnp.max(scales)
+    ratio = jnp.where(top == 0, 1, scales.astype(jnp.float32) / jnp.where(top == 0, 1, top).astype(jnp.float32))
+    ratio = ratio.reshape((ratio.shape[0],) + (1,) * (data.ndim - ratio.ndim) + ratio.shape[1:])
+    return ScaledArray(mul_data(data, ratio), top)
+
+
+_PLAIN, _CONST_SCALE, _STACKED_SCALE = "plain", "const", "stacked"
+
+
+def _split_ys(ys: Sequence[Any]) -> tuple[list, list]:
+    """Flatten per-iteration outputs; a scaled one with a traced scale also emits its scale."""
+    flat, kinds = [], []
+    for y in ys:
+        if not _is_scaled(y):
+            flat.append(y)
+            kinds.append((_PLAIN, None))
+        elif _is_concrete(y.scale):
+            flat.append(y.data)
+            kinds.append((_CONST_SCALE, y.scale))
+        else:
+            y = _as_carried(y)
+            flat += [y.data, y.scale]
+            kinds.append((_STACKED_SCALE, None))
+    return flat, kinds
+
+
+def _merge_ys(flat: Sequence[Any], kinds: Sequence[tuple[str, Any]]) -> list:
+    it = iter(flat)
+    out = []
+    for kind, scale in kinds:
+        if kind == _PLAIN:
+            out.append(next(it))
+        elif kind == _CONST_SCALE:
+            out.append(ScaledArray(next(it), scale))
+        else:
+            data = next(it)
+            out.append(_rebalance_stacked(data, next(it)))
+    return out
+
+
+# --- scan ------------------------------------------------------------------------------------
+@register_scaled_op(scan_p)
+@unpromoted_inputs
+def scaled_scan(
+    *args: Any,
+    jaxpr: ClosedJaxpr,
+    num_consts: int,
+    num_carry: int,
+    length: int,
+    reverse: bool,
+    unroll: int | bool,
+    **params: Any,
+) -> list:
+    """Body scalified; carries scaled if scaled on entry or in the body (fixed point); ys stacked to their largest scale.
+
+    Consts and scanned inputs (xs) keep their scaled or plain form; a scaled xs is scanned
+    over its data with its (scalar) scale held constant. Carries: see the module docstring.
+
+    Scanned outputs (ys) of a scaled body have a scale per iteration. When that scale is a
+    trace-time constant (loop invariant), the ys keep it. Otherwise the body emits its
+    scale next to the data, so the scan stacks the scales, and after the scan the ys are
+    rebalanced to the largest of them: each slice is multiplied by ``its scale / largest``
+    (a power of two <= 1), exact except for slices more than the data dtype's range below
+    the largest one. This keeps the body free of any cross-iteration dependency (no
+    scale has to be known before the loop) and gives the result the scale that keeps its
+    largest slice near unit size.
+
+    ``reverse``, ``length``, ``unroll`` and the other options of the scan are kept.
+    """
+    consts, init, xs = args[:num_consts], args[num_consts : num_consts + num_carry], args[num_consts + num_carry :]
+    xs = [_with_scalar_scale(x) if _is_scaled(x) else x for x in xs]
+    xs_data = [x.data if _is_scaled(x) else x for x in xs]
+    xs_scales = [x.scale if _is_scaled(x) else None for x in xs]
+    ys_kinds: list = []
+    options = {k: v for k, v in params.items() if k == "_split_transpose"}
+
+    def run(scaled: tuple[bool, ...], owner: object):
+        def body(carry_flat, x_flat):
+            carry = _unflatten(carry_flat, scaled)
+            x_vals = [x if s is None else ScaledArray(x, s) for x, s in zip(x_flat, xs_scales)]
+            outs = _eval_closed(jaxpr, [*consts, *carry, *x_vals])
+            carry_out, ys = outs[:num_carry], outs[num_carry:]
+            _check_structure(owner, carry_out, scaled)
+            ys_flat, kinds = _split_ys(ys)
+            ys_kinds[:] = kinds
+            return _flatten(carry_out, scaled), ys_flat
+
+        return jax.lax.scan(
+            body, _flatten(init, scaled), xs_data, length=length, reverse=reverse, unroll=unroll, **options
+        )
+
+    scaled, (carry_flat, ys_flat) = _fixed_point(run, [_is_scaled(c) for c in init])
+    return [*_unflatten(carry_flat, scaled), *_merge_ys(ys_flat, ys_kinds)]
+
+
+# --- while -----------------------------------------------------------------------------------
+@register_scaled_op(while_p)
+@unpromoted_inputs
+def scaled_while(
+    *args: Any, cond_jaxpr: ClosedJaxpr, body_jaxpr: ClosedJaxpr, cond_nconsts: int, body_nconsts: int
+) -> list:
+    """Condition and body scalified; carries scaled if scaled on entry or in the body (fixed point), scales traced."""
+    cond_consts, body_consts = args[:cond_nconsts], args[cond_nconsts : cond_nconsts + body_nconsts]
+    init = args[cond_nconsts + body_nconsts :]
+
+    def run(scaled: tuple[bool, ...], owner: object):
+        def cond_fun(carry_flat):
+            (pred,) = _eval_closed(cond_jaxpr, [*cond_consts, *_unflatten(carry_flat, scaled)])
+            return _plain(pred)
+
+        def body_fun(carry_flat):
+            outs = _eval_closed(body_jaxpr, [*body_consts, *_unflatten(carry_flat, scaled)])
+            _check_structure(owner, outs, scaled)
+            return _flatten(outs, scaled)
+
+        return jax.lax.while_loop(cond_fun, body_fun, _flatten(init, scaled))
+
+    scaled, carry_flat = _fixed_point(run, [_is_scaled(c) for c in init])
+    return _unflatten(carry_flat, scaled)
+
+
+# --- cond / switch ---------------------------------------------------------------------------
+@register_scaled_op(cond_p)
+@unpromoted_inputs
+def scaled_cond(index: Array, *operands: Any, branches: Sequence[ClosedJaxpr], **params: Any) -> list:
+    """Branches scalified; an output scaled in any branch is scaled in all (scale 1 where plain); the taken branch's scale."""
+    num_outs = len(branches[0].out_avals)
+
+    def run(scaled: tuple[bool, ...], owner: object):
+        def branch_fun(branch: ClosedJaxpr):
+            def fun(*ops):
+                outs = _eval_closed(branch, ops)
+                _check_structure(owner, outs, scaled)
+                return _flatten(outs, scaled)
+
+            return fun
+
+        return jax.lax.switch(_plain(index), [branch_fun(b) for b in branches], *operands)
+
+    scaled, outs_flat = _fixed_point(run, [False] * num_outs)
+    return _unflatten(outs_flat, scaled)
+
+
+# --- checkpoint / remat ----------------------------------------------------------------------
+@register_scaled_op(remat_p)
+@unpromoted_inputs
+def scaled_checkpoint(*args: Any, jaxpr: Jaxpr, prevent_cse: bool | tuple, differentiated: bool, policy: Any) -> list:
+    """Body scalified inside a checkpoint with the same policy, prevent_cse and differentiated flags."""
+    leaves, treedef = jax.tree.flatten(list(args))
+    arg_of_leaf = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+    # NumPy leaves (scales folded at trace time) stay constants of the body.
+    traced = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, (np.ndarray, np.generic))]
+    out_tree_box = []
+
+    def flat_body(*traced_leaves):
+        full = list(leaves)
+        for i, leaf in zip(traced, traced_leaves):
+            full[i] = leaf
+        outs = eval_scaled_jaxpr(jaxpr, [], jax.tree.unflatten(treedef, full))
+        outs_flat, out_tree = jax.tree.flatten(outs)
+        out_tree_box.append(out_tree)
+        return outs_flat
+
+    traced_leaves = [leaves[i] for i in traced]
+    closed = jax.make_jaxpr(flat_body)(*traced_leaves)
+    body = closed.jaxpr
+    # remat2 takes a jaxpr without constvars: its constants become leading arguments.
+    open_body = body.replace(constvars=[], invars=[*body.constvars, *body.invars])
+    if isinstance(prevent_cse, tuple):
+        prevent_cse = (False,) * len(closed.consts) + tuple(prevent_cse[arg_of_leaf[i]] for i in traced)
+    outs = remat_p.bind(
+        *closed.consts,
+        *traced_leaves,
+        jaxpr=open_body,
+        prevent_cse=prevent_cse,
+        differentiated=differentiated,
+        policy=policy,
+    )
+    return jax.tree.unflatten(out_tree_box[-1], outs)
+
+
+# --- host callbacks --------------------------------------------------------------------------
+def _bind_on_values(prim, args: Sequence[Any], params: dict) -> Any:
+    return prim.bind(*(_plain(a) for a in args), **params)
+
+
+@register_scaled_op(pure_callback_p, scaled_type=ScaledPrimitiveType.NEVER)
+def scaled_pure_callback(*args: Any, **params: Any) -> Any:
+    """Plain in and out: the callback receives the values ``data * scale``."""
+    return _bind_on_values(pure_callback_p, args, params)
+
+
+@register_scaled_op(io_callback_p, scaled_type=ScaledPrimitiveType.NEVER)
+def scaled_io_callback(*args: Any, **params: Any) -> Any:
+    """Plain in and out: the callback receives the values ``data * scale``."""
+    return _bind_on_values(io_callback_p, args, params)
+
+
+@register_scaled_op(debug_callback_p, scaled_type=ScaledPrimitiveType.NEVER)
+def scaled_debug_callback(*args: Any, **params: Any) -> Any:
+    """Plain in: the callback receives the values ``data * scale`` (``jsa.ops.debug_callback`` shows the scales)."""
+    return _bind_on_values(debug_callback_p, args, params)
+
+
+@register_scaled_op(debug_print_p, scaled_type=ScaledPrimitiveType.NEVER)
+def scaled_debug_print(*args: Any, **params: Any) -> Any:
+    """Plain in: prints the values ``data * scale`` (``jsa.ops.debug_print`` shows the scales)."""
+    return _bind_on_values(debug_print_p, args, params)
+
+
+# --- sharding_constraint ---------------------------------------------------------------------
+@register_scaled_op(sharding_constraint_p)
+def scaled_sharding_constraint(x: ScaledArray, *, sharding: Any, **params: Any) -> ScaledArray:
+    """Scale unchanged: the constraint applies to the data, a traced scalar scale is replicated."""
+    data = sharding_constraint_p.bind(x.data, sharding=sharding, **params)
+    scale = x.scale
+    if isinstance(sharding, jax.sharding.NamedSharding) and not _is_concrete(scale) and np.ndim(scale) == 0:
+        scale = jax.lax.with_sharding_constraint(
+            scale, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        )
+    return ScaledArray(data, scale)
+
+
+__all__ = [
+    "scaled_checkpoint",
+    "scaled_cond",
+    "scaled_debug_callback",
+    "scaled_debug_print",
+    "scaled_io_callback",
+    "scaled_pure_callback",
+    "scaled_scan",
+    "scaled_sharding_constraint",
+    "scaled_while",
+]

@@ -1,0 +1,317 @@
+"""Scale rules of the elementwise arithmetic primitives: add, mul, max, select, comparisons, casts.
+
+Families (design section 5):
+
+- sums (``add``, ``sub``, ``add_any``): output scale ``pow2(sqrt(sa**2 + sb**2))``, both
+  data rebalanced to it; an any-scale operand (constant 0 or ±inf) takes the other's scale;
+- products (``mul``, ``div``): scales multiplied or divided, data likewise;
+- order-preserving selections (``max``, ``min``, ``clamp``, ``select_n``) and comparisons:
+  every operand aligned to the largest scale; comparisons give plain booleans;
+- scale-keeping maps (``convert_element_type`` between floats, ``reduce_precision``,
+  ``stop_gradient``, ``copy``): act on the data only;
+- the rest (``pow``, ``rem``, ``atan2``, ``nextafter``) act on values or aligned data, see
+  each rule.
+
+Every primitive is bound on the data with the equation's own params, so 0-d operands next
+to N-d ones (``mul a 2.0:f32[]``) work as in the plain program.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.extend.core import primitives as P
+
+from ..core.array import ScaledArray, is_floating_dtype
+from ..core.registry import register_scalar_preserving, register_scaled_lax_op, register_scaled_op
+from .base_scaling import (
+    align_to_largest,
+    as_scale,
+    is_any_scale,
+    largest_scale,
+    mul_data,
+    rescale,
+    round_scale,
+    to_float32_value,
+)
+
+Array = Any
+
+
+# --- private helpers -------------------------------------------------------------------------
+def _is_numpy(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, np.generic, float, int))
+
+
+def _npapi(*xs: Any):
+    """NumPy when every input is a NumPy value (so scales fold at trace time), else jax.numpy."""
+    return np if all(_is_numpy(x) for x in xs) else jnp
+
+
+def _data(x: Any) -> Array:
+    return x.data if isinstance(x, ScaledArray) else x
+
+
+def _bind(prim: Primitive, *operands: Any, **params) -> Array:
+    """``prim`` bound on the data of the operands (plain operands as they are)."""
+    return prim.bind(*(_data(x) for x in operands), **params)
+
+
+def _widen(data: Array) -> Array:
+    """Data in float32 when its dtype is narrower (16 or 8 bits), else unchanged."""
+    return data.astype(np.float32) if jnp.finfo(data.dtype).bits < 32 else data
+
+
+def _aligned_wide_data(operands: Sequence[ScaledArray]) -> list[Array]:
+    """Data of the operands aligned to the largest scale, in float32 for narrow dtypes.
+
+    Nothing is rounded back to a narrow dtype, so comparisons stay exact.
+    """
+    scale = largest_scale(operands)
+    out = []
+    for x in operands:
+        data = _widen(x.data)
+        out.append(data if is_any_scale(x) else mul_data(data, as_scale(x.scale) / scale))
+    return out
+
+
+def _sum_scale(a: ScaledArray, b: ScaledArray) -> Array:
+    """``pow2(sqrt(sa**2 + sb**2))``; an any-scale operand defers to the other one.
+
+    Computed as ``hi * sqrt(1 + (lo / hi)**2)`` so that large scales do not overflow; a zero
+    result (both scales 0, i.e. both operands asserted zero) becomes 1.
+    """
+    if is_any_scale(a) and is_any_scale(b):
+        return as_scale(1)
+    if is_any_scale(a) or is_any_scale(b):
+        return as_scale((b if is_any_scale(a) else a).scale)
+    sa, sb = as_scale(a.scale), as_scale(b.scale)
+    npapi = _npapi(sa, sb)
+    hi, lo = npapi.maximum(sa, sb), npapi.minimum(sa, sb)
+    ratio = npapi.where(hi > 0, lo / npapi.where(hi > 0, hi, 1), 0)
+    scale = round_scale(hi * npapi.sqrt(1 + ratio * ratio))
+    return as_scale(npapi.where(scale > 0, scale, 1))
+
+
+def _scaled_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, params: dict) -> ScaledArray:
+    scale = _sum_scale(a, b)
+    return ScaledArray(_bind(prim, rescale(a, scale), rescale(b, scale), **params), scale)
+
+
+def _scaled_aligned(prim: Primitive, operands: Sequence[Any], params: dict) -> ScaledArray:
+    """``prim`` on the data of the floating operands aligned to their largest scale."""
+    scaled = [x for x in operands if isinstance(x, ScaledArray)]
+    aligned, scale = align_to_largest(scaled)
+    it = iter(aligned)
+    inputs = [next(it) if isinstance(x, ScaledArray) else x for x in operands]
+    return ScaledArray(_bind(prim, *inputs, **params), scale)
+
+
+def _value_output(result: Array, dtype: Any, scale: Array) -> ScaledArray:
+    """A value computed in float32 as a ``ScaledArray`` of data dtype ``dtype`` and ``scale``."""
+    scale = as_scale(scale)
+    data = result / jnp.asarray(scale).astype(result.dtype) if not (_is_numpy(scale) and scale == 1) else result
+    return ScaledArray(data.astype(dtype), scale)
+
+
+def _value(x: Any) -> Array:
+    """Float32 value of a scaled operand (plain operands, e.g. integer exponents, unchanged)."""
+    return to_float32_value(x) if isinstance(x, ScaledArray) else x
+
+
+# --- sums ------------------------------------------------------------------------------------
+@register_scaled_lax_op
+def scaled_add(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
+    """Scale pow2(sqrt(sa^2 + sb^2)), both data rebalanced to it; an any-scale operand takes the other's scale."""
+    return _scaled_sum(P.add_p, a, b, params)
+
+
+@register_scaled_lax_op
+def scaled_sub(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
+    """Scale pow2(sqrt(sa^2 + sb^2)), both data rebalanced to it; an any-scale operand takes the other's scale."""
+    return _scaled_sum(P.sub_p, a, b, params)
+
+
+@register_scaled_op(P.add_jaxvals_p)
+def scaled_add_any(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
+    """Scale pow2(sqrt(sa^2 + sb^2)), both data rebalanced to it (the gradient accumulation of add).
+
+    An any-scale operand (a symbolic zero made concrete) takes the other's scale.
+    """
+    return _scaled_sum(P.add_jaxvals_p, a, b, params)
+
+
+# --- products --------------------------------------------------------------------------------
+@register_scaled_lax_op
+def scaled_mul(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
+    """Scale sa * sb, data da * db.
+
+    A broadcast scalar constant was promoted to a mantissa in [1, 2) and a power-of-two
+    scale, so its exponent folds into the output scale.
+    """
+    return ScaledArray(_bind(P.mul_p, a, b, **params), as_scale(as_scale(a.scale) * as_scale(b.scale)))
+
+
+@register_scaled_lax_op
+def scaled_div(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
+    """Scale sa / sb, data da / db."""
+    return ScaledArray(_bind(P.div_p, a, b, **params), as_scale(as_scale(a.scale) / as_scale(b.scale)))
+
+
+# --- value-based binary maps -----------------------------------------------------------------
+@register_scaled_lax_op
+def scaled_rem(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
+    """Scale sb (|rem(a, b)| < |b|), computed on the values (float32 for narrow data).
+
+    An any-scale divisor (0 gives nan, ±inf gives a) leaves the output with a's scale.
+    """
+    scale = a.scale if is_any_scale(b) else b.scale
+    return _value_output(_bind(P.rem_p, _value(a), _value(b), **params), a.dtype, scale)
+
+
+@register_scaled_lax_op
+def scaled_pow(a: ScaledArray, b: Any, **params) -> ScaledArray:
+    """Scale 1, computed on the values (float32 for narrow data); b may be a plain integer array."""
+    return _value_output(_bind(P.pow_p, _value(a), _value(b), **params), a.dtype, 1)
+
+
+@register_scaled_lax_op
+def scaled_atan2(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
+    """Scale 1, atan2 of the data aligned to the largest scale (atan2 is scale-invariant), in float32.
+
+    Aligning instead of multiplying out the values keeps the angle right for operands
+    whose values over- or underflow float32.
+    """
+    ya, xa = _aligned_wide_data([a, b])
+    return _value_output(_bind(P.atan2_p, ya, xa, **params), a.dtype, 1)
+
+
+@register_scaled_lax_op
+def scaled_nextafter(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
+    """Scale sa, data nextafter(da, db rescaled to sa): the next value representable as data * sa.
+
+    Stepping on the data gives the neighbour in the data dtype, as the plain op does; on
+    the float32 value it would round back to ``a`` for narrow dtypes.
+    """
+    scale = as_scale(a.scale)
+    return ScaledArray(_bind(P.nextafter_p, a, rescale(b, scale), **params), scale)
+
+
+# --- selections and comparisons --------------------------------------------------------------
+@register_scaled_lax_op
+def scaled_max(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
+    """Operands aligned to the largest scale (any-scale operands adopt it); max of the data."""
+    return _scaled_aligned(P.max_p, [a, b], params)
+
+
+@register_scaled_lax_op
+def scaled_min(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
+    """Operands aligned to the largest scale (any-scale operands adopt it); min of the data."""
+    return _scaled_aligned(P.min_p, [a, b], params)
+
+
+@register_scaled_lax_op
+def scaled_clamp(lo: ScaledArray, x: ScaledArray, hi: ScaledArray, **params) -> ScaledArray:
+    """Operands aligned to the largest scale (any-scale operands adopt it); clamp of the data."""
+    return _scaled_aligned(P.clamp_p, [lo, x, hi], params)
+
+
+@register_scaled_lax_op
+def scaled_select_n(which: Array, *cases: ScaledArray, **params) -> ScaledArray:
+    """Cases aligned to the largest scale (any-scale cases adopt it); the predicate stays plain."""
+    if isinstance(which, ScaledArray):  # a floating predicate is not valid LAX; keep the error there
+        which = which.to_array()
+    return _scaled_aligned(P.select_n_p, [which, *cases], params)
+
+
+def _compare(prim: Primitive, a: ScaledArray, b: ScaledArray, params: dict) -> Array:
+    return prim.bind(*_aligned_wide_data([a, b]), **params)
+
+
+@register_scaled_lax_op
+def scaled_eq(a: ScaledArray, b: ScaledArray, **params) -> Array:
+    """Plain bool: eq of the data aligned to the largest scale (float32 for narrow data)."""
+    return _compare(P.eq_p, a, b, params)
+
+
+@register_scaled_lax_op
+def scaled_ne(a: ScaledArray, b: ScaledArray, **params) -> Array:
+    """Plain bool: ne of the data aligned to the largest scale (float32 for narrow data)."""
+    return _compare(P.ne_p, a, b, params)
+
+
+@register_scaled_lax_op
+def scaled_lt(a: ScaledArray, b: ScaledArray, **params) -> Array:
+    """Plain bool: lt of the data aligned to the largest scale (float32 for narrow data)."""
+    return _compare(P.lt_p, a, b, params)
+
+
+@register_scaled_lax_op
+def scaled_le(a: ScaledArray, b: ScaledArray, **params) -> Array:
+    """Plain bool: le of the data aligned to the largest scale (float32 for narrow data)."""
+    return _compare(P.le_p, a, b, params)
+
+
+@register_scaled_lax_op
+def scaled_gt(a: ScaledArray, b: ScaledArray, **params) -> Array:
+    """Plain bool: gt of the data aligned to the largest scale (float32 for narrow data)."""
+    return _compare(P.gt_p, a, b, params)
+
+
+@register_scaled_lax_op
+def scaled_ge(a: ScaledArray, b: ScaledArray, **params) -> Array:
+    """Plain bool: ge of the data aligned to the largest scale (float32 for narrow data)."""
+    return _compare(P.ge_p, a, b, params)
+
+
+# --- scale-keeping maps ----------------------------------------------------------------------
+@register_scaled_lax_op
+def scaled_convert_element_type(x: ScaledArray, *, new_dtype: Any, **params) -> Any:
+    """Float to float: data cast, scale kept; to int or bool: plain array from the float32 value.
+
+    Casting the data keeps values outside the new dtype's range (e.g. 2**30 to float16)
+    right, which is the point of FP16/FP8 data with a float32 scale.
+    """
+    if not isinstance(x, ScaledArray):  # int -> float reaches a rule only beside scaled inputs
+        return P.convert_element_type_p.bind(x, new_dtype=new_dtype, **params)
+    if is_floating_dtype(new_dtype):
+        return ScaledArray(_bind(P.convert_element_type_p, x, new_dtype=new_dtype, **params), as_scale(x.scale))
+    return P.convert_element_type_p.bind(to_float32_value(x), new_dtype=new_dtype, **params)
+
+
+@register_scaled_lax_op
+def scaled_reduce_precision(x: ScaledArray, **params) -> ScaledArray:
+    """Scale kept, precision reduced on the data (the simulated format applies to the data)."""
+    return ScaledArray(_bind(P.reduce_precision_p, x, **params), x.scale)
+
+
+@register_scaled_lax_op
+def scaled_stop_gradient(x: ScaledArray, **params) -> ScaledArray:
+    """Scale kept; gradient stopped on both the data and the scale."""
+    scale = x.scale if _is_numpy(x.scale) else jax.lax.stop_gradient(x.scale)
+    return ScaledArray(_bind(P.stop_gradient_p, x, **params), scale)
+
+
+@register_scaled_lax_op
+def scaled_copy(x: ScaledArray, **params) -> ScaledArray:
+    """Scale kept, data copied."""
+    return ScaledArray(_bind(P.copy_p, x, **params), x.scale)
+
+
+def _convert_scalar(scalar: np.ndarray, *, new_dtype: Any, **params) -> np.ndarray:
+    with np.errstate(invalid="ignore", over="ignore"):  # nan/inf to int: as undefined as in XLA
+        return np.asarray(scalar).astype(new_dtype)
+
+
+def _reduce_precision_scalar(scalar: np.ndarray, *, exponent_bits: int, mantissa_bits: int) -> np.ndarray:
+    with jax.ensure_compile_time_eval():
+        out = jax.lax.reduce_precision(jnp.asarray(scalar), exponent_bits=exponent_bits, mantissa_bits=mantissa_bits)
+    return np.asarray(out)
+
+
+register_scalar_preserving(P.convert_element_type_p, _convert_scalar)
+register_scalar_preserving(P.reduce_precision_p, _reduce_precision_scalar)
+register_scalar_preserving(P.copy_p)

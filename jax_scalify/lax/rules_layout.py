@@ -1,0 +1,150 @@
+"""Scale rules of the layout primitives: reshape, transpose, broadcast, slice, concatenate, pad ...
+
+These primitives move, copy or drop elements without arithmetic, so (design section 5):
+
+- single-operand layout ops are applied to the data and keep the scale;
+- ops that merge several floating operands into one array (``concatenate``, ``pad``) align
+  the operands to the largest scale, an any-scale operand (constant 0 or ±inf) adopting it.
+
+Every rule binds the primitive itself on the data with the equation's params, so the output
+shape and dtype are exactly those of the plain primitive. The rules assume scalar scales
+(the main path); an operand with a non-scalar (broadcast) scale is first brought to a scalar
+one, its largest entry, so that moving the data around never separates it from its scale.
+
+The scale-preserving ops are also declared scalar-preserving, so that a broadcast scalar
+constant seen through them (``jnp.full(shape, 2.0).T``) is still split into mantissa and
+power-of-two scale when it meets a scaled value.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.extend.core import primitives as P
+
+from ..core.array import ScaledArray
+from ..core.registry import primitive_of, register_scalar_preserving, register_scaled_lax_op, register_scaled_op
+from .base_scaling import align_to_largest, as_scale, is_any_scale, largest_scale, rescale
+
+Array = Any
+
+# `split` is a primitive since JAX 0.4.36 but `jax.extend` does not export it.
+split_p: Primitive = primitive_of(lambda x: jnp.split(x, 2), np.zeros((2,), np.float32))
+
+
+def _is_numpy(*values: Any) -> bool:
+    return all(isinstance(v, (np.ndarray, np.generic)) for v in values)
+
+
+def with_scalar_scale(x: ScaledArray) -> ScaledArray:
+    """``x`` with a 0-d scale: a broadcast scale is folded into the data, keeping its largest entry."""
+    if np.ndim(x.scale) == 0:
+        return x
+    if np.size(x.scale) == 1:
+        return type(x)(x.data, x.scale.reshape(()))
+    new_scale = np.max(x.scale) if _is_numpy(x.scale) else jnp.max(x.scale)
+    return rescale(x, new_scale)
+
+
+def bind_keep_scale(prim: Primitive, x: ScaledArray, *others: Array, **params) -> ScaledArray:
+    """``prim`` bound on the data of ``x`` (then ``others``, plain), the scale of ``x`` kept."""
+    x = with_scalar_scale(x)
+    return ScaledArray(prim.bind(x.data, *others, **params), x.scale)
+
+
+def bind_aligned(prim: Primitive, operands: Sequence[ScaledArray], *others: Array, **params) -> ScaledArray:
+    """``prim`` bound on operands aligned to their largest scale (then ``others``, plain)."""
+    aligned, scale = align_to_largest([with_scalar_scale(x) for x in operands])
+    return ScaledArray(prim.bind(*(x.data for x in aligned), *others, **params), scale)
+
+
+def _scale_with_scalar_fill(operand: ScaledArray, fill: ScaledArray) -> Array:
+    """Common scale of an array and a 0-d fill value: the largest, unless the fill is 0 or ±inf.
+
+    The fill is one scalar, so whether its value is the same at every scale is checked on its
+    data (at run time when traced): a zero or infinite fill adopts the operand's scale
+    instead of pulling the operand's data down to its own (scale 1 for an unknown 0).
+    """
+    if is_any_scale(fill) or is_any_scale(operand):
+        return largest_scale([operand, fill])
+    npapi = np if _is_numpy(fill.data, operand.scale, fill.scale) else jnp
+    free = ~npapi.isfinite(fill.data) | (fill.data == 0)
+    s_operand, s_fill = as_scale(operand.scale), as_scale(fill.scale)
+    return as_scale(npapi.where(free, s_operand, npapi.maximum(s_operand, s_fill)))
+
+
+@register_scaled_lax_op
+def scaled_broadcast_in_dim(operand: ScaledArray, *dyn_shape: Array, **params) -> ScaledArray:
+    """Scale unchanged (broadcast applied to the data)."""
+    return bind_keep_scale(P.broadcast_in_dim_p, operand, *dyn_shape, **params)
+
+
+@register_scaled_lax_op
+def scaled_reshape(operand: ScaledArray, *dyn_shape: Array, **params) -> ScaledArray:
+    """Scale unchanged (reshape applied to the data)."""
+    return bind_keep_scale(P.reshape_p, operand, *dyn_shape, **params)
+
+
+@register_scaled_lax_op
+def scaled_squeeze(operand: ScaledArray, **params) -> ScaledArray:
+    """Scale unchanged (squeeze applied to the data)."""
+    return bind_keep_scale(P.squeeze_p, operand, **params)
+
+
+@register_scaled_lax_op
+def scaled_transpose(operand: ScaledArray, **params) -> ScaledArray:
+    """Scale unchanged (transpose applied to the data)."""
+    return bind_keep_scale(P.transpose_p, operand, **params)
+
+
+@register_scaled_lax_op
+def scaled_slice(operand: ScaledArray, **params) -> ScaledArray:
+    """Scale unchanged (slice applied to the data)."""
+    return bind_keep_scale(P.slice_p, operand, **params)
+
+
+@register_scaled_lax_op
+def scaled_rev(operand: ScaledArray, **params) -> ScaledArray:
+    """Scale unchanged (reversal applied to the data)."""
+    return bind_keep_scale(P.rev_p, operand, **params)
+
+
+@register_scaled_op(split_p)
+def scaled_split(operand: ScaledArray, **params) -> list[ScaledArray]:
+    """Every piece keeps the operand's scale (split applied to the data)."""
+    operand = with_scalar_scale(operand)
+    return [ScaledArray(piece, operand.scale) for piece in split_p.bind(operand.data, **params)]
+
+
+@register_scaled_lax_op
+def scaled_concatenate(*operands: ScaledArray, **params) -> ScaledArray:
+    """Operands aligned to the largest scale (any-scale operands adopt it), then concatenated."""
+    return bind_aligned(P.concatenate_p, operands, **params)
+
+
+@register_scaled_lax_op
+def scaled_pad(operand: ScaledArray, padding_value: ScaledArray, **params) -> ScaledArray:
+    """Operand and padding value aligned to the largest scale; a 0 or ±inf padding value adopts the operand's."""
+    operand, padding_value = with_scalar_scale(operand), with_scalar_scale(padding_value)
+    scale = _scale_with_scalar_fill(operand, padding_value)
+    data = P.pad_p.bind(rescale(operand, scale).data, rescale(padding_value, scale).data, **params)
+    return ScaledArray(data, scale)
+
+
+for _prim in (P.broadcast_in_dim_p, P.reshape_p, P.squeeze_p, P.transpose_p, P.slice_p, P.rev_p):
+    register_scalar_preserving(_prim)
+
+__all__ = [
+    "scaled_broadcast_in_dim",
+    "scaled_concatenate",
+    "scaled_pad",
+    "scaled_reshape",
+    "scaled_rev",
+    "scaled_slice",
+    "scaled_split",
+    "scaled_squeeze",
+    "scaled_transpose",
+    "split_p",
+]

@@ -1,0 +1,245 @@
+"""Scale rules of the unary elementwise primitives.
+
+Families (design section 5):
+
+- sign changes (``neg``, ``abs``): data mapped, scale kept;
+- powers (``integer_pow``, ``square``, ``sqrt``, ``rsqrt``, ``cbrt``): exact on the scale,
+  ``f(d * s) = f(d) * f(s)``; for roots the part of the scale's exponent that does not divide
+  moves into the data first, so the output scale is again an exact power of two;
+- ``log``: ``log(d) + log(s)`` with the exponents summed exactly, output scale 1;
+- other non-linear maps: computed on the value ``d * s`` (in float32 for narrow data). The
+  output scale is 1, except for the maps with ``f(x) ~ c * x`` near 0 (``sin``, ``tanh``,
+  ``erf``, ...), whose output has the input's scale capped at 1, and for the roundings
+  (``floor``, ``ceil``, ``round``), whose output has the input's scale floored at 1: this
+  is the unit-scaling choice (the output magnitude of a unit-scaled input) and it keeps FP16
+  and FP8 data from under- or overflowing;
+- ``sign`` and ``is_finite``: plain outputs (they carry no magnitude).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.extend.core import primitives as P
+
+from ..core.array import ScaledArray
+from ..core.config import Pow2RoundMode, get_scalify_config
+from ..core.pow2 import pow2_exponent, pow2_round_down
+from ..core.registry import register_scalar_preserving, register_scaled_lax_op, register_scaled_op
+from .base_scaling import as_scale, mul_data, to_float32_value
+
+Array = Any
+ScaleMap = Callable[[Array], Array]
+
+
+# --- private helpers -------------------------------------------------------------------------
+def _is_numpy(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, np.generic, float, int))
+
+
+def _npapi(x: Any):
+    return np if _is_numpy(x) else jnp
+
+
+def _widen(data: Array) -> Array:
+    """Data in float32 when its dtype is narrower (16 or 8 bits), else unchanged."""
+    return data.astype(np.float32) if jnp.finfo(data.dtype).bits < 32 else data
+
+
+def _unit_scale(scale: Array) -> Array:
+    return as_scale(1)
+
+
+def _scale_capped_at_one(scale: Array) -> Array:
+    """``min(s, 1)``; a zero or non-finite scale gives 1."""
+    s = as_scale(scale)
+    npapi = _npapi(s)
+    return as_scale(npapi.where((s > 0) & (s < 1), s, 1))
+
+
+def _scale_floored_at_one(scale: Array) -> Array:
+    """``max(s, 1)``; a non-finite scale gives 1."""
+    s = as_scale(scale)
+    npapi = _npapi(s)
+    return as_scale(npapi.where(npapi.isfinite(s) & (s > 1), s, 1))
+
+
+def _on_value(prim: Primitive, x: ScaledArray, params: dict, out_scale: ScaleMap) -> ScaledArray:
+    """``prim`` on the value (float32 for narrow data), divided by the output scale, cast back."""
+    result = prim.bind(to_float32_value(x), **params)
+    scale = out_scale(x.scale)
+    if not (_is_numpy(scale) and np.all(scale == 1)):
+        result = result / jnp.asarray(scale).astype(result.dtype)
+    return ScaledArray(result.astype(x.dtype), scale)
+
+
+def _on_value_rule(prim: Primitive, out_scale: ScaleMap, doc: str) -> Callable[..., ScaledArray]:
+    """Register and return the rule ``scaled_<name>`` computing ``prim`` on the value."""
+
+    def rule(x: ScaledArray, **params) -> ScaledArray:
+        return _on_value(prim, x, params, out_scale)
+
+    rule.__name__ = rule.__qualname__ = f"scaled_{prim.name}"
+    rule.__doc__ = doc
+    return register_scaled_op(prim, rule)
+
+
+def _pow2_small(t: Array, npapi) -> Array:
+    """``2**t`` for ``t`` in {0, 1, 2}, exactly, in float32."""
+    return npapi.where(t == 0, 1, npapi.where(t == 1, 2, 4)).astype(np.float32)
+
+
+def _snap_pow2(s: Array) -> Array:
+    """The power of two nearest to ``s``, for ``s`` within a few ulps of one (cbrt is not exact)."""
+    return pow2_round_down(s * (1 + 2.0**-8))
+
+
+def _root(x: ScaledArray, n: int, data_fn: Callable[[Array], Array], inverse: bool) -> ScaledArray:
+    """``x ** (1/n)`` (``inverse``: ``x ** (-1/n)``) exact on the scale.
+
+    The scale's exponent ``e`` is raised to the next multiple of ``n`` (``t = -e mod n``):
+    data / 2**t, scale * 2**t, so the root of the scale is the exact power of two
+    ``2**((e + t) / n)``. Without rounding (``Pow2RoundMode.NONE``) the root of the scale is
+    taken as it is.
+    """
+    scale = as_scale(x.scale)
+    npapi = _npapi(scale)
+    root = npapi.sqrt if n == 2 else npapi.cbrt
+    if get_scalify_config().rounding_mode == Pow2RoundMode.NONE:
+        data, out_scale = data_fn(x.data), root(scale)
+    else:
+        t = npapi.remainder(-pow2_exponent(scale), n)
+        factor = _pow2_small(t, npapi)
+        data = data_fn(mul_data(x.data, 1 / factor))
+        out_scale = _snap_pow2(root(scale * factor.astype(scale.dtype)))
+    if inverse:
+        out_scale = 1 / out_scale
+    return ScaledArray(data, as_scale(out_scale))
+
+
+# --- sign changes ----------------------------------------------------------------------------
+@register_scaled_lax_op
+def scaled_neg(x: ScaledArray, **params) -> ScaledArray:
+    """Scale kept, data negated."""
+    return ScaledArray(P.neg_p.bind(x.data, **params), x.scale)
+
+
+@register_scaled_lax_op
+def scaled_abs(x: ScaledArray, **params) -> ScaledArray:
+    """Scale kept, abs of the data."""
+    return ScaledArray(P.abs_p.bind(x.data, **params), x.scale)
+
+
+@register_scaled_lax_op
+def scaled_sign(x: ScaledArray, **params) -> Array:
+    """Plain output (same dtype): sign of the data, since the scale is positive.
+
+    The result is -1, 0 or 1 with no magnitude to carry; a later op with scaled operands
+    promotes it to scale 1.
+    """
+    return P.sign_p.bind(x.data, **params)
+
+
+@register_scaled_lax_op
+def scaled_is_finite(x: ScaledArray, **params) -> Array:
+    """Plain bool: is_finite of the data (and of the scale, when it is not a known finite constant)."""
+    out = P.is_finite_p.bind(x.data, **params)
+    if _is_numpy(x.scale) and np.all(np.isfinite(x.scale)):
+        return out
+    return out & jnp.isfinite(x.scale)
+
+
+# --- roundings -------------------------------------------------------------------------------
+_ROUNDING_DOC = "Scale max(s, 1), computed on the value (float32 for narrow data): integers keep large magnitudes."
+scaled_floor = _on_value_rule(P.floor_p, _scale_floored_at_one, _ROUNDING_DOC)
+scaled_ceil = _on_value_rule(P.ceil_p, _scale_floored_at_one, _ROUNDING_DOC)
+scaled_round = _on_value_rule(P.round_p, _scale_floored_at_one, _ROUNDING_DOC)
+
+
+# --- powers and roots ------------------------------------------------------------------------
+@register_scaled_lax_op
+def scaled_integer_pow(x: ScaledArray, *, y: int, **params) -> ScaledArray:
+    """Scale s**y (exact for a power of two), data da**y."""
+    scale = as_scale(x.scale)
+    out_scale = np.power(np.float64(scale), y) if _is_numpy(scale) else jax.lax.integer_pow(scale, y)
+    return ScaledArray(P.integer_pow_p.bind(x.data, y=y, **params), as_scale(out_scale))
+
+
+@register_scaled_lax_op
+def scaled_square(x: ScaledArray, **params) -> ScaledArray:
+    """Scale s**2 (exact for a power of two), data da**2."""
+    scale = as_scale(x.scale)
+    return ScaledArray(P.square_p.bind(x.data, **params), as_scale(scale * scale))
+
+
+@register_scaled_lax_op
+def scaled_sqrt(x: ScaledArray, **params) -> ScaledArray:
+    """Scale sqrt(s) exactly (an odd exponent moves a factor 2 into the data), data sqrt(d)."""
+    return _root(x, 2, lambda d: P.sqrt_p.bind(d, **params), inverse=False)
+
+
+@register_scaled_lax_op
+def scaled_rsqrt(x: ScaledArray, **params) -> ScaledArray:
+    """Scale 1/sqrt(s) exactly (an odd exponent moves a factor 2 into the data), data rsqrt(d)."""
+    return _root(x, 2, lambda d: P.rsqrt_p.bind(d, **params), inverse=True)
+
+
+@register_scaled_lax_op
+def scaled_cbrt(x: ScaledArray, **params) -> ScaledArray:
+    """Scale cbrt(s) exactly (the exponent's remainder mod 3 moves into the data), data cbrt(d)."""
+    return _root(x, 3, lambda d: P.cbrt_p.bind(d, **params), inverse=False)
+
+
+# --- log -------------------------------------------------------------------------------------
+@register_scaled_lax_op
+def scaled_log(x: ScaledArray, **params) -> ScaledArray:
+    """Scale 1, data log(d) + log(s) (float32 for narrow data), the binary exponents summed exactly.
+
+    With ``d * s = m * 2**E``, ``m`` in ``[sqrt(1/2), sqrt(2))`` (both factors split with
+    frexp, exponents added as integers), the result is ``log(m) + E * log(2)``: a large data
+    and a small scale cancel exactly, and values near 1 keep their relative accuracy.
+    """
+    data = _widen(x.data)
+    md, ed = jnp.frexp(data)
+    ms, es = jnp.frexp(jnp.asarray(x.scale).astype(data.dtype))
+    m, e = jnp.frexp(md * ms)
+    small = jnp.abs(m) < np.sqrt(0.5)
+    m = jnp.where(small, m * 2, m)
+    exponent = (ed + es + e - small.astype(e.dtype)).astype(data.dtype)
+    out = P.log_p.bind(m, **params) + exponent * np.asarray(np.log(2.0), data.dtype)
+    return ScaledArray(out.astype(x.dtype), as_scale(1))
+
+
+# --- other non-linear maps -------------------------------------------------------------------
+_UNIT_DOC = "Scale 1, computed on the value (float32 for narrow data)."
+_CAPPED_DOC = "Scale min(s, 1), computed on the value (float32 for narrow data): f(x) ~ c*x near 0 keeps a small scale."
+
+scaled_exp = _on_value_rule(P.exp_p, _unit_scale, _UNIT_DOC)
+scaled_exp2 = _on_value_rule(P.exp2_p, _unit_scale, _UNIT_DOC)
+scaled_cos = _on_value_rule(P.cos_p, _unit_scale, _UNIT_DOC)
+scaled_cosh = _on_value_rule(P.cosh_p, _unit_scale, _UNIT_DOC)
+scaled_acos = _on_value_rule(P.acos_p, _unit_scale, _UNIT_DOC)
+scaled_acosh = _on_value_rule(P.acosh_p, _unit_scale, _UNIT_DOC)
+scaled_logistic = _on_value_rule(P.logistic_p, _unit_scale, _UNIT_DOC)
+scaled_erfc = _on_value_rule(P.erfc_p, _unit_scale, _UNIT_DOC)
+scaled_lgamma = _on_value_rule(P.lgamma_p, _unit_scale, _UNIT_DOC)
+scaled_digamma = _on_value_rule(P.digamma_p, _unit_scale, _UNIT_DOC)
+
+scaled_log1p = _on_value_rule(P.log1p_p, _scale_capped_at_one, _CAPPED_DOC)
+scaled_expm1 = _on_value_rule(P.expm1_p, _scale_capped_at_one, _CAPPED_DOC)
+scaled_tanh = _on_value_rule(P.tanh_p, _scale_capped_at_one, _CAPPED_DOC)
+scaled_erf = _on_value_rule(P.erf_p, _scale_capped_at_one, _CAPPED_DOC)
+scaled_erf_inv = _on_value_rule(P.erf_inv_p, _scale_capped_at_one, _CAPPED_DOC)
+scaled_sin = _on_value_rule(P.sin_p, _scale_capped_at_one, _CAPPED_DOC)
+scaled_tan = _on_value_rule(P.tan_p, _scale_capped_at_one, _CAPPED_DOC)
+scaled_asin = _on_value_rule(P.asin_p, _scale_capped_at_one, _CAPPED_DOC)
+scaled_atan = _on_value_rule(P.atan_p, _scale_capped_at_one, _CAPPED_DOC)
+scaled_sinh = _on_value_rule(P.sinh_p, _scale_capped_at_one, _CAPPED_DOC)
+scaled_asinh = _on_value_rule(P.asinh_p, _scale_capped_at_one, _CAPPED_DOC)
+scaled_atanh = _on_value_rule(P.atanh_p, _scale_capped_at_one, _CAPPED_DOC)
+
+
+register_scalar_preserving(P.neg_p, lambda scalar, **params: -scalar)

@@ -1,0 +1,103 @@
+"""``jax.tree`` functions that keep every ``ScaledArray`` whole.
+
+A ``ScaledArray`` is a pytree with children ``(data, scale)``, so plain ``jax.tree``
+functions look inside it. The functions here treat it as a single leaf instead (they
+combine the user's ``is_leaf`` with :func:`jax_scalify.is_scaled_leaf`), which is what model
+code wants when it maps over parameters or gradients.
+"""
+from __future__ import annotations
+
+import builtins
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core.array import ScaledArray, is_floating_dtype, is_scaled_leaf
+
+PyTree = Any
+IsLeaf = Callable[[Any], bool] | None
+
+
+def _with_scaled_leaves(is_leaf: IsLeaf) -> Callable[[Any], bool]:
+    """``is_leaf`` that is true for ``ScaledArray`` and wherever the user's predicate is."""
+    if is_leaf is None:
+        return is_scaled_leaf
+    return lambda x: is_scaled_leaf(x) or bool(is_leaf(x))
+
+
+def _leaf_dtype(x: Any):
+    """The dtype of an array-like leaf or a Python number; None for anything else."""
+    if hasattr(x, "dtype"):
+        return x.dtype
+    if isinstance(x, (bool, int, float, complex)):
+        return jnp.result_type(x)
+    return None
+
+
+def astype(tree: PyTree, dtype: Any, floating_only: bool = False) -> PyTree:
+    """Cast every leaf of ``tree`` to ``dtype``.
+
+    - ``ScaledArray`` leaves: the data is cast, the scale is kept (so the value is kept up to
+      the rounding of the new dtype). Casting one to a non-floating dtype raises: its scale
+      would be lost (use ``jsa.asarray`` first).
+    - other leaves: ``jnp.asarray(x, dtype)``.
+
+    Args:
+        tree: a pytree of arrays and ``ScaledArray``.
+        dtype: the target dtype (e.g. ``jnp.float16`` or ``jnp.float8_e4m3fn``).
+        floating_only: if True, leaves that are not floating (integers, booleans, and
+            non-array leaves) are returned untouched, so a tree mixing parameters and step
+            counters can be cast in one call.
+    """
+
+    def cast(x):
+        if isinstance(x, ScaledArray):
+            return x.astype(dtype)
+        if floating_only:
+            leaf_dtype = _leaf_dtype(x)
+            if leaf_dtype is None or not is_floating_dtype(leaf_dtype):
+                return x
+        return jnp.asarray(x, dtype)
+
+    return jax.tree.map(cast, tree, is_leaf=is_scaled_leaf)
+
+
+def leaves(tree: PyTree, is_leaf: IsLeaf = None) -> list[Any]:
+    """``jax.tree.leaves`` with each ``ScaledArray`` one leaf."""
+    return jax.tree.leaves(tree, is_leaf=_with_scaled_leaves(is_leaf))
+
+
+def flatten(tree: PyTree, is_leaf: IsLeaf = None) -> tuple[list[Any], Any]:
+    """``jax.tree.flatten`` with each ``ScaledArray`` one leaf: ``(leaves, treedef)``."""
+    return jax.tree.flatten(tree, is_leaf=_with_scaled_leaves(is_leaf))
+
+
+def unflatten(treedef: Any, leaves: Any) -> PyTree:
+    """``jax.tree.unflatten``: the inverse of :func:`flatten` (``ScaledArray`` leaves put back whole)."""
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def structure(tree: PyTree, is_leaf: IsLeaf = None) -> Any:
+    """``jax.tree.structure`` with each ``ScaledArray`` one leaf."""
+    return jax.tree.structure(tree, is_leaf=_with_scaled_leaves(is_leaf))
+
+
+def map(f: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf: IsLeaf = None) -> PyTree:
+    """``jax.tree.map`` where ``f`` receives each ``ScaledArray`` whole."""
+    return jax.tree.map(f, tree, *rest, is_leaf=_with_scaled_leaves(is_leaf))
+
+
+def _truth(x: Any) -> bool:
+    if isinstance(x, ScaledArray):
+        return bool(np.asarray(x.to_array()))
+    return bool(x)
+
+
+def all(tree: PyTree, is_leaf: IsLeaf = None) -> bool:
+    """``jax.tree.all``: True if every leaf is truthy; a ``ScaledArray`` by its value ``data * scale``."""
+    return builtins.all(_truth(x) for x in leaves(tree, is_leaf))
+
+
+__all__ = ["all", "astype", "flatten", "leaves", "map", "structure", "unflatten"]

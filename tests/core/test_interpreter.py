@@ -1,0 +1,117 @@
+"""The scalify transform: tracing, composition with JAX transforms, promotion of constants."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_scalify as jsa
+from tests.invariance import assert_pow2_scales
+
+X = np.array([1.0, -2.0, 3.0, 0.5], np.float32)
+
+
+def scaled(x, scale):
+    return jsa.as_scaled_array(np.asarray(x, np.float32), scale=np.float32(scale))
+
+
+def f(x, y):
+    return {"sum": x + y, "prod": x * y, "pair": (jnp.sin(x), y)}
+
+
+def test_pytrees_in_and_out_and_kwargs():
+    x, y = scaled(X, 4.0), scaled(X, 0.5)
+    out = jsa.scalify(f)(x, y=y)
+    assert set(out) == {"sum", "prod", "pair"}
+    expected = f(X, X)
+    for got, exp in zip(jax.tree.leaves(jsa.asarray(out)), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(got, exp, rtol=1e-6)
+    assert_pow2_scales(out)
+
+
+def test_plain_inputs_stay_plain():
+    out = jsa.scalify(lambda a, b: a * b + 1)(jnp.asarray(X), jnp.asarray(X))
+    assert not isinstance(out, jsa.ScaledArray)
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda fn: jax.jit(jsa.scalify(fn)),
+        lambda fn: jsa.scalify(jax.jit(fn)),
+        lambda fn: jax.jit(jsa.scalify(jax.jit(fn))),
+        lambda fn: jsa.scalify(jsa.scalify(fn)),
+    ],
+    ids=["jit_outside", "jit_inside", "jit_both", "idempotent"],
+)
+def test_composes_with_jit_and_itself(wrap):
+    out = wrap(f)(scaled(X, 4.0), scaled(X, 0.25))
+    np.testing.assert_allclose(out["prod"].to_array(), X * X, rtol=1e-6)
+    assert float(out["prod"].scale) == 1.0
+
+
+def test_jit_inside_stays_a_jitted_call():
+    jaxpr = jax.make_jaxpr(jsa.scalify(jax.jit(f)))(scaled(X, 4.0), scaled(X, 0.25))
+    names = [eqn.primitive.name for eqn in jaxpr.eqns]
+    assert names == ["jit"] and jaxpr.eqns[0].params["name"] == "f"
+
+
+def test_scalify_is_idempotent_object():
+    once = jsa.scalify(f)
+    assert jsa.scalify(once) is once
+
+
+def test_nested_scalify_call_inside_traced_code():
+    inner = jsa.scalify(lambda a: a * 2)
+    out = jsa.scalify(lambda a: inner(a) + a)(scaled(X, 8.0))
+    np.testing.assert_allclose(out.to_array(), 3 * X)
+
+
+def test_grad_vjp_vmap_inside():
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    w = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    xs = np.random.default_rng(1).standard_normal((5, 2, 4)).astype(np.float32)
+
+    def program(w, xs):
+        grads = jax.vmap(jax.grad(loss), in_axes=(None, 0))(w, xs)
+        _, vjp = jax.vjp(lambda w: loss(w, xs[0]), w)
+        return grads, vjp(jnp.float32(1.0))[0]
+
+    expected = program(w, xs)
+    got = jsa.scalify(program)(scaled(w, 2.0**-10), scaled(xs, 2.0**12))
+    for g, e in zip(jax.tree.leaves(jsa.asarray(got)), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(g, e, rtol=2e-5, atol=1e-6 * np.abs(e).max())
+
+
+def test_zero_constant_takes_any_scale_across_jit_boundaries():
+    # jnp.where is jitted and receives the literal 0.0 as an argument.
+    x = jsa.ScaledArray(jnp.asarray(X, jnp.float16), jnp.float32(2.0**-40))
+    out = jsa.scalify(lambda a: jnp.where(a > 0, a, 0.0))(x)
+    assert float(out.scale) == 2.0**-40
+    np.testing.assert_array_equal(out.to_array(jnp.float32), np.where(X > 0, X, 0) * 2.0**-40)
+    relu = jsa.scalify(jax.nn.relu)(x)
+    assert float(relu.scale) == 2.0**-40
+
+
+def test_scalar_constants_fold_into_the_scale():
+    out = jsa.scalify(lambda a: a * 3.0)(scaled(X, 1.0))
+    assert float(out.scale) == 2.0
+    np.testing.assert_array_equal(out.data, X * 1.5)
+    out = jsa.scalify(lambda a: a / jnp.full(a.shape, 8.0))(scaled(X, 1.0))
+    assert float(out.scale) == 0.125
+    np.testing.assert_array_equal(out.data, X)
+
+
+def test_static_arguments_are_baked_in():
+    out = jsa.scalify(lambda a, dtype: a.astype(dtype))(scaled(X, 2.0), jnp.float16)
+    assert out.dtype == jnp.float16 and float(out.scale) == 2.0
+
+
+def test_jaxpr_of_scalified_function_is_reusable_under_jit():
+    fn = jax.jit(jsa.scalify(lambda a, b: a @ b))
+    a = scaled(np.ones((4, 16)), 2.0)
+    b = scaled(np.ones((16, 2)), 0.5)
+    out = fn(a, b)
+    assert float(out.scale) == 4.0  # 2 * 0.5 * pow2(sqrt(16))
+    np.testing.assert_array_equal(out.to_array(), np.full((4, 2), 16.0))

@@ -1,0 +1,104 @@
+"""The scaling primitives: identity outside scalify, scale operations under it."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_scalify as jsa
+from jax_scalify.lax import get_data_and_scale, get_data_scale, rebalance, set_scaling, stop_scaling
+from tests.invariance import Case
+
+X = np.array([1.0, -2.0, 3.0], np.float32)
+
+
+def _uses_all_primitives(x):
+    y = set_scaling(x, jnp.float32(4.0))
+    y = rebalance(y, jnp.float32(0.5))
+    data, scale = get_data_scale(y)
+    return stop_scaling(y), data, scale
+
+
+def test_identity_outside_scalify():
+    value, data, scale = _uses_all_primitives(jnp.asarray(X))
+    np.testing.assert_array_equal(value, X)
+    np.testing.assert_array_equal(data, X)
+    assert scale == 1.0 and scale.dtype == np.float32
+
+
+@pytest.mark.parametrize("transform", [jax.jit, lambda f: jax.vmap(f, in_axes=0, out_axes=0)])
+def test_identity_under_jit_and_vmap(transform):
+    value, data, _ = transform(_uses_all_primitives)(jnp.asarray(X))
+    np.testing.assert_array_equal(value, X)
+    np.testing.assert_array_equal(data, X)
+
+
+def test_gradients_pass_through():
+    def loss(x):
+        y = rebalance(set_scaling(x, jnp.float32(8.0)), jnp.float32(2.0))
+        return jnp.sum(stop_scaling(y, jnp.float32) * get_data_scale(y)[0])
+
+    np.testing.assert_array_equal(jax.grad(loss)(jnp.asarray(X)), 2 * X)
+    np.testing.assert_array_equal(jax.jit(jax.grad(loss))(jnp.asarray(X)), 2 * X)
+
+
+def test_vmap_with_batched_scale_keeps_values():
+    out = jax.vmap(set_scaling)(jnp.ones((3, 2)), jnp.array([1.0, 2.0, 4.0]))
+    np.testing.assert_array_equal(out, np.ones((3, 2)))
+
+
+def test_set_scaling_under_scalify():
+    out = jsa.scalify(set_scaling)(jnp.asarray(X), jnp.float32(4.0))
+    assert isinstance(out, jsa.ScaledArray) and float(out.scale) == 4.0
+    np.testing.assert_array_equal(out.data, X / 4)
+    scaled = jsa.scalify(set_scaling)(jsa.as_scaled_array(X, scale=np.float32(2.0)), jnp.float32(0.25))
+    np.testing.assert_array_equal(scaled.to_array(), X)
+
+
+def test_set_scaling_zero_scale_asserts_zero():
+    out = jsa.scalify(set_scaling)(jnp.zeros(3), jnp.float32(0.0))
+    assert float(out.scale) == 0.0
+    np.testing.assert_array_equal(out.to_array(), np.zeros(3))
+
+
+def test_get_data_scale_under_scalify():
+    x = jsa.as_scaled_array(X, scale=np.float32(8.0))
+    data, scale = jsa.scalify(get_data_and_scale)(x)
+    np.testing.assert_array_equal(data, X / 8)
+    assert float(scale) == 8.0
+    data, scale = jsa.scalify(get_data_scale)(jnp.asarray(X))
+    np.testing.assert_array_equal(data, X)
+    assert float(scale) == 1.0
+
+
+def test_stop_scaling_and_rebalance_under_scalify():
+    x = jsa.as_scaled_array(X, scale=np.float32(8.0))
+    value = jsa.scalify(stop_scaling)(x, jnp.float16)
+    assert not isinstance(value, jsa.ScaledArray) and value.dtype == jnp.float16
+    np.testing.assert_array_equal(value, X)
+    out = jsa.scalify(rebalance)(x, jnp.float32(4.0))
+    assert float(out.scale) == 32.0
+    np.testing.assert_array_equal(out.to_array(), X)
+
+
+def test_float16_range_through_set_scaling():
+    tiny = np.float32(2.0**-40)
+
+    def f(x):
+        return stop_scaling(set_scaling(x, tiny), jnp.float32)
+
+    x = jsa.ScaledArray(jnp.ones(3, jnp.float16), jnp.float32(2.0**-40))
+    np.testing.assert_array_equal(jsa.scalify(f)(x), np.full(3, 2.0**-40, np.float32))
+
+
+@pytest.mark.parametrize("fn", [set_scaling, rebalance])
+def test_bad_scale_arguments(fn):
+    with pytest.raises(TypeError, match="floating scalar"):
+        fn(jnp.ones(3), jnp.ones(3))
+    with pytest.raises(TypeError, match="floating"):
+        fn(jnp.ones(3, jnp.int32), jnp.float32(1.0))
+
+
+INVARIANCE_CASES = [
+    Case("scaling_primitives", lambda x: _uses_all_primitives(x)[0], [lambda rng: rng.standard_normal(5).astype(np.float32)], grad=True),
+    Case("get_data_scale_value", lambda x: (lambda d, s: d * s)(*get_data_scale(x)), [lambda rng: rng.standard_normal(5).astype(np.float32)]),
+]

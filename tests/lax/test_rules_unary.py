@@ -1,0 +1,272 @@
+"""Unary rules: sign changes, powers and roots, log, and the maps computed on values."""
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from jax import lax
+
+import jax_scalify as jsa
+from jax_scalify.lax import rules_unary
+from tests.invariance import Case, assert_pow2_scales, check_case, normal, positive
+
+SHAPE = (3, 4)
+
+
+def uniform(low: float, high: float, *shape: int):
+    return lambda rng: rng.uniform(low, high, shape).astype(np.float32)
+
+
+def unit_interval(*shape: int):
+    return uniform(-0.9, 0.9, *shape)
+
+
+INVARIANCE_CASES = [
+    Case("neg", lambda x: -x, [normal(*SHAPE)], grad=True),
+    Case("abs", jnp.abs, [normal(*SHAPE)], grad=True),
+    Case("sign", jnp.sign, [normal(*SHAPE)]),
+    Case("sign_times_x", lambda x: jnp.sign(x) * x, [normal(*SHAPE)], grad=True),
+    Case("floor", jnp.floor, [uniform(-8, 8, *SHAPE)]),
+    Case("ceil", jnp.ceil, [uniform(-8, 8, *SHAPE)]),
+    Case("round", lambda x: lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN), [uniform(-8, 8, *SHAPE)]),
+    Case("is_finite", jnp.isfinite, [normal(*SHAPE)]),
+    Case("exp", jnp.exp, [normal(*SHAPE)], grad=True),
+    Case("exp2", jnp.exp2, [normal(*SHAPE)], grad=True),
+    Case("log", jnp.log, [positive(*SHAPE)], grad=True),
+    Case("log1p", jnp.log1p, [positive(*SHAPE)], grad=True),
+    Case("expm1", jnp.expm1, [normal(*SHAPE)], grad=True),
+    Case("integer_pow", lambda x: x**3, [normal(*SHAPE)], grad=True),
+    Case("integer_pow_negative", lambda x: lax.integer_pow(x, -2), [positive(*SHAPE)], grad=True),
+    Case("square", lax.square, [normal(*SHAPE)], grad=True),
+    Case("sqrt", jnp.sqrt, [positive(*SHAPE)], grad=True),
+    Case("rsqrt", lax.rsqrt, [positive(*SHAPE)], grad=True),
+    Case("cbrt", jnp.cbrt, [normal(*SHAPE)], grad=True),
+    Case("tanh", jnp.tanh, [normal(*SHAPE)], grad=True),
+    Case("logistic", jax.nn.sigmoid, [normal(*SHAPE)], grad=True),
+    Case("erf", jax.scipy.special.erf, [normal(*SHAPE)], grad=True),
+    Case("erfc", jax.scipy.special.erfc, [normal(*SHAPE)], grad=True),
+    Case("erf_inv", jax.scipy.special.erfinv, [unit_interval(*SHAPE)], grad=True),
+    Case("lgamma", lax.lgamma, [positive(*SHAPE)], grad=True),
+    Case("digamma", lax.digamma, [positive(*SHAPE)]),
+    Case("sin", jnp.sin, [normal(*SHAPE)], grad=True),
+    Case("cos", jnp.cos, [normal(*SHAPE)], grad=True),
+    Case("tan", jnp.tan, [uniform(-1.2, 1.2, *SHAPE)], grad=True),
+    Case("asin", jnp.arcsin, [unit_interval(*SHAPE)], grad=True),
+    Case("acos", jnp.arccos, [unit_interval(*SHAPE)], grad=True),
+    Case("atan", jnp.arctan, [normal(*SHAPE)], grad=True),
+    Case("sinh", jnp.sinh, [normal(*SHAPE)], grad=True),
+    Case("cosh", jnp.cosh, [normal(*SHAPE)], grad=True),
+    Case("asinh", jnp.arcsinh, [normal(*SHAPE)], grad=True),
+    Case("acosh", lax.acosh, [uniform(1.1, 4.0, *SHAPE)], grad=True),
+    Case("atanh", jnp.arctanh, [unit_interval(*SHAPE)], grad=True),
+]
+
+
+@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
+@given(data=st.data())
+@settings(max_examples=8, deadline=None)
+def test_invariance(case, data):
+    check_case(case, data)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+def _scaled(data, exponent: int, dtype=jnp.float16) -> jsa.ScaledArray:
+    return jsa.ScaledArray(jnp.asarray(data, dtype), jnp.float32(2.0**exponent))
+
+
+def _f16(exponent: int, seed=0, signed=True, shape=(4, 5)) -> jsa.ScaledArray:
+    rng = np.random.default_rng(seed)
+    data = rng.uniform(1, 2, shape) * (rng.choice([-1, 1], shape) if signed else 1)
+    return _scaled(data, exponent)
+
+
+def _value(x) -> np.ndarray:
+    if isinstance(x, jsa.ScaledArray):
+        return np.asarray(x.data, np.float64) * np.asarray(x.scale, np.float64)
+    return np.asarray(x, np.float64)
+
+
+def _scale(x: jsa.ScaledArray) -> float:
+    return float(np.asarray(x.scale))
+
+
+# --- float16 range robustness ----------------------------------------------------------------
+_UNARY = {
+    "neg": (lambda x: -x, np.negative, True),
+    "abs": (jnp.abs, np.abs, True),
+    "square": (lax.square, np.square, True),
+    "cube": (lambda x: x**3, lambda v: v**3, True),
+    "inverse_square": (lambda x: lax.integer_pow(x, -2), lambda v: v**-2, True),
+    "sqrt": (jnp.sqrt, np.sqrt, False),
+    "rsqrt": (lax.rsqrt, lambda v: 1 / np.sqrt(v), False),
+    "cbrt": (jnp.cbrt, np.cbrt, True),
+    "log": (jnp.log, np.log, False),
+    "tanh": (jnp.tanh, np.tanh, True),
+    "sin": (jnp.sin, np.sin, True),
+    "floor": (jnp.floor, np.floor, True),
+    "sign": (jnp.sign, np.sign, True),
+}
+
+
+@pytest.mark.parametrize("exponent", [-41, -40, 29, 30])
+@pytest.mark.parametrize("name", sorted(_UNARY))
+def test_float16_values_out_of_range(name, exponent):
+    fn, ref, signed = _UNARY[name]
+    if name in ("tanh", "sin") and exponent > 0:
+        pytest.skip("saturated: nothing to lose in float16")
+    x = _f16(exponent, seed=1, signed=signed)
+    out = jsa.scalify(fn)(x)
+    assert out.dtype == jnp.float16
+    assert_pow2_scales(out)
+    expected = ref(_value(x))
+    np.testing.assert_allclose(_value(out), expected, rtol=2e-3)
+    if name != "sign" or exponent < 0:
+        plain = fn(x.to_array(jnp.float16))  # 0 or inf: float16 cannot hold these values
+        assert not np.allclose(np.asarray(plain, np.float64), expected, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_narrow_dtypes(dtype):
+    x = _scaled([1.0, 1.5, 1.25, 1.75], -20, dtype)
+    fns = {"exp": (jnp.exp, np.exp), "sqrt": (jnp.sqrt, np.sqrt), "log": (jnp.log, np.log)}
+    fns.update({"tanh": (jnp.tanh, np.tanh), "square": (lax.square, np.square), "cbrt": (jnp.cbrt, np.cbrt)})
+    for name, (fn, ref) in fns.items():
+        out = jsa.scalify(fn)(x)
+        assert out.dtype == dtype, name
+        np.testing.assert_allclose(_value(out), ref(_value(x)), rtol=0.13, err_msg=name)
+
+
+# --- real jax.nn / jax.numpy functions --------------------------------------------------------
+_REAL_FUNCTIONS = {
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_erf": lambda x: jax.nn.gelu(x, approximate=False),
+    "silu": jax.nn.silu,
+    "softplus": jax.nn.softplus,
+    "elu": jax.nn.elu,
+    "relu": jax.nn.relu,
+    "softmax": lambda x: jax.nn.softmax(x, axis=-1),
+    "norm": lambda x: jnp.linalg.norm(x, axis=-1),
+    "arccosh": lambda x: jnp.arccosh(1.5 + jnp.abs(x)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_REAL_FUNCTIONS))
+def test_real_functions(name):
+    """Value and gradient of jax.nn / jax.numpy functions, on inputs with a small scale."""
+    fn = _REAL_FUNCTIONS[name]
+    x = _scaled(np.random.default_rng(4).standard_normal(SHAPE) * 2.0**10, -10, jnp.float32)
+    value = jnp.asarray(_value(x), jnp.float32)
+    out = jsa.scalify(fn)(x)
+    assert_pow2_scales(out)
+    np.testing.assert_allclose(_value(out), fn(value), rtol=2e-5, atol=1e-6)
+    grad = jax.grad(lambda a: jnp.sum(fn(a)))
+    got = jsa.scalify(grad)(x)
+    assert_pow2_scales(got)
+    np.testing.assert_allclose(_value(got), grad(value), rtol=2e-5, atol=1e-6)
+
+
+# --- scale logic -----------------------------------------------------------------------------
+@pytest.mark.parametrize("exponent", range(-7, 8))
+def test_roots_are_exact_on_the_scale(exponent):
+    x = _scaled([1.0, 1.5, 3.0, 0.25], exponent, jnp.float32)
+    roots = [(jnp.sqrt, np.sqrt, 2, 1), (lax.rsqrt, lambda v: 1 / np.sqrt(v), 2, -1), (jnp.cbrt, np.cbrt, 3, 1)]
+    for fn, ref, n, sign in roots:
+        out = jsa.scalify(fn)(x)
+        assert _scale(out) == 2.0 ** (sign * -(-exponent // n)), (fn, exponent)
+        np.testing.assert_allclose(_value(out), ref(_value(x)), rtol=1e-6)
+
+
+def test_roots_without_rounding_take_the_root_of_the_scale():
+    x = _scaled([1.0, 4.0], 3, jnp.float32)
+    with jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.NONE):
+        out = jsa.scalify(jnp.sqrt)(x)
+    np.testing.assert_allclose(_scale(out), np.sqrt(8.0), rtol=1e-7)
+    np.testing.assert_allclose(_value(out), np.sqrt([8.0, 32.0]), rtol=1e-6)
+
+
+def test_roots_of_traced_scales_under_jit():
+    x = _scaled([1.0, 1.5], -9, jnp.float16)
+    out = jax.jit(jsa.scalify(lambda a: (jnp.sqrt(a), lax.rsqrt(a), jnp.cbrt(a))))(x)
+    assert [_scale(o) for o in out] == [2.0**-4, 2.0**4, 2.0**-3]
+    np.testing.assert_allclose(_value(out[0]), np.sqrt(_value(x)), rtol=1e-3)
+
+
+def test_powers_are_exact_on_the_scale():
+    x = _scaled([1.5, -1.25], -40)
+    assert _scale(jsa.scalify(lax.square)(x)) == 2.0**-80
+    assert _scale(jsa.scalify(lambda a: a**3)(x)) == 2.0**-120
+    assert _scale(jsa.scalify(lambda a: lax.integer_pow(a, -2))(x)) == 2.0**80
+
+
+def test_log_of_large_data_and_small_scale_is_accurate():
+    x = _scaled([1.5 * 2.0**20, 2.0**20, 3.0 * 2.0**21], -20, jnp.float32)
+    out = jsa.scalify(jnp.log)(x)
+    assert _scale(out) == 1.0
+    np.testing.assert_allclose(_value(out), np.log([1.5, 1.0, 6.0]), rtol=1e-7, atol=1e-7)
+
+
+def test_special_values():
+    x = _scaled([0.0, -1.0, np.inf, np.nan], -30, jnp.float32)
+    np.testing.assert_array_equal(_value(jsa.scalify(jnp.log)(x)), [-np.inf, np.nan, np.inf, np.nan])
+    np.testing.assert_array_equal(_value(jsa.scalify(jnp.sqrt)(x)), [0.0, np.nan, np.inf, np.nan])
+    np.testing.assert_array_equal(_value(jsa.scalify(lax.rsqrt)(x))[[0, 2]], [np.inf, 0.0])
+    np.testing.assert_array_equal(jsa.scalify(jnp.isfinite)(x), [True, True, False, False])
+
+
+def test_output_scales_of_value_maps():
+    small, large = _f16(-30, seed=2), _f16(20, seed=3)
+    for fn in (jnp.tanh, jnp.sin, jnp.arctan, jax.scipy.special.erf, jnp.expm1):
+        assert _scale(jsa.scalify(fn)(small)) == 2.0**-30  # f(x) ~ x near 0: keep a small scale
+        assert _scale(jsa.scalify(fn)(large)) == 1.0
+    for fn in (jnp.floor, jnp.ceil, jnp.round):
+        assert _scale(jsa.scalify(fn)(small)) == 1.0
+        assert _scale(jsa.scalify(fn)(large)) == 2.0**20  # integers keep a large scale
+    for fn in (jnp.exp, jnp.cos, jax.nn.sigmoid, jnp.log):
+        assert _scale(jsa.scalify(fn)(small)) == 1.0
+
+
+def test_plain_outputs():
+    x = _scaled([1.5, -1.0, 0.0, np.inf], -30)
+    sign = jsa.scalify(jnp.sign)(x)
+    assert not isinstance(sign, jsa.ScaledArray) and sign.dtype == jnp.float16
+    np.testing.assert_array_equal(sign, [1, -1, 0, 1])
+    finite = jsa.scalify(jnp.isfinite)(x)
+    assert not isinstance(finite, jsa.ScaledArray)
+    np.testing.assert_array_equal(finite, [True, True, True, False])
+
+
+def test_neg_and_abs_keep_the_scale():
+    x = _scaled([1.5, -1.0], -30)
+    for fn in (jnp.negative, jnp.abs):
+        out = jsa.scalify(fn)(x)
+        assert _scale(out) == 2.0**-30
+        np.testing.assert_array_equal(np.asarray(out.data), fn(np.asarray(x.data)))
+
+
+def test_neg_of_constant_is_recognised():
+    # neg is scalar-preserving: -4.0 is still split into mantissa -1 and scale 4.
+    x = _scaled([1.5, -1.25], -30)
+    out = jsa.scalify(lambda a: a * -lax.convert_element_type(4.0, jnp.float16))(x)
+    assert _scale(out) == 2.0**-28
+    np.testing.assert_array_equal(np.asarray(out.data), -np.asarray(x.data))
+
+
+def test_unary_rules_are_exported_with_summaries():
+    assert jsa.lax.scaled_tanh is rules_unary.scaled_tanh
+    assert rules_unary.scaled_tanh.__name__ == "scaled_tanh"
+    summaries = {prim.name: entry.summary for prim, entry in jsa.core.registered_rules().items()}
+    for name in ("neg", "sqrt", "cbrt", "log", "exp", "tanh", "floor", "sign", "is_finite", "integer_pow"):
+        assert summaries[name], name
+
+
+# --- errors ----------------------------------------------------------------------------------
+def test_missing_rule_names_the_primitive():
+    x = _scaled([1.5, 2.0], 0, jnp.float32)
+    with pytest.raises(NotImplementedError, match="polygamma"):
+        jsa.scalify(lambda a: lax.polygamma(jnp.ones_like(a), a))(x)
+
+
+def test_scaled_array_outside_scalify_is_rejected():
+    with pytest.raises(TypeError, match="scalify"):
+        jnp.tanh(_scaled([1.0], 0))

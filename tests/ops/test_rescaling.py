@@ -1,0 +1,190 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_scalify as jsa
+from jax_scalify import ops
+from tests.invariance import assert_pow2_scales
+
+RESCALES = {"l1": ops.dynamic_rescale_l1, "l2": ops.dynamic_rescale_l2, "max": ops.dynamic_rescale_max}
+GRAD_RESCALES = {"l1": ops.dynamic_rescale_l1_grad, "l2": ops.dynamic_rescale_l2_grad, "max": ops.dynamic_rescale_max_grad}
+STATS = {
+    "l1": lambda d: np.mean(np.abs(d)),
+    "l2": lambda d: np.sqrt(np.mean(np.square(d))),
+    "max": lambda d: np.max(np.abs(d)),
+}
+
+
+def _x(scale=24.0, shape=(4, 8)):
+    return jnp.asarray(np.random.default_rng(0).standard_normal(shape).astype(np.float32) * scale)
+
+
+@pytest.mark.parametrize("norm", sorted(RESCALES))
+def test_value_noop_outside_scalify(norm):
+    fn, x = RESCALES[norm], _x()
+    np.testing.assert_array_equal(fn(x), x)
+    np.testing.assert_array_equal(jax.jit(fn)(x), x)
+    np.testing.assert_array_equal(jax.vmap(fn)(x), x)
+    np.testing.assert_array_equal(jax.grad(lambda a: jnp.sum(fn(a) * 3.0))(x), jnp.full_like(x, 3.0))
+    np.testing.assert_array_equal(ops.dynamic_rescale(x, norm), x)
+
+
+@pytest.mark.parametrize("norm", sorted(RESCALES))
+def test_rescales_data_under_scalify(norm):
+    x = _x()
+    sx = jsa.ScaledArray(x / 4, jnp.float32(4.0))
+    out = jsa.scalify(RESCALES[norm])(sx)
+    assert_pow2_scales(out)
+    np.testing.assert_allclose(np.asarray(out.to_array()), np.asarray(x), rtol=1e-6)
+    # Rounded down (default mode): the statistic of the new data lies in [1, 2).
+    stat = STATS[norm](np.asarray(out.data))
+    assert 1.0 <= stat < 2.0, stat
+    assert float(out.scale) == 2.0 ** np.floor(np.log2(STATS[norm](np.asarray(x))))
+
+
+def test_rounding_mode_up():
+    x = _x()
+    out = jsa.scalify(lambda a: ops.dynamic_rescale_l2(a, rounding_mode=jsa.Pow2RoundMode.UP))(jsa.as_scaled_array(x))
+    assert 0.5 < STATS["l2"](np.asarray(out.data)) <= 1.0
+    with jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.UP):
+        out = jsa.scalify(ops.dynamic_rescale_max)(jsa.as_scaled_array(x))
+    assert 0.5 < STATS["max"](np.asarray(out.data)) <= 1.0
+
+
+def test_custom_norm_callable_and_unknown_norm():
+    x = _x()
+    out = jsa.scalify(lambda a: ops.dynamic_rescale(a, norm=lambda d: jnp.float32(8.0)))(jsa.as_scaled_array(x))
+    assert float(out.scale) == 8.0
+    np.testing.assert_allclose(np.asarray(out.data), np.asarray(x) / 8)
+    with pytest.raises(ValueError, match="'l1', 'l2', 'max'"):
+        ops.dynamic_rescale(x, norm="l3")
+    with pytest.raises(ValueError, match="'l1', 'l2', 'max'"):
+        ops.dynamic_rescale_grad(x, norm="fro")
+
+
+@pytest.mark.parametrize("norm", sorted(RESCALES))
+def test_zero_and_non_finite_leave_x_unchanged(norm):
+    fn = jsa.scalify(RESCALES[norm])
+    zero = fn(jsa.ScaledArray(jnp.zeros(5), jnp.float32(2.0)))
+    assert float(zero.scale) == 2.0 and np.all(np.asarray(zero.data) == 0)
+    nan = fn(jsa.ScaledArray(jnp.array([1.0, jnp.nan]), jnp.float32(2.0)))
+    assert float(nan.scale) == 2.0 and np.isnan(np.asarray(nan.data)[1])
+    inf = fn(jsa.ScaledArray(jnp.array([1.0, jnp.inf]), jnp.float32(2.0)))
+    assert float(inf.scale) == 2.0
+    # A zero scale (asserted zero value) is never divided by.
+    asserted = fn(jsa.ScaledArray(jnp.ones(3), jnp.float32(0.0)))
+    assert float(asserted.scale) == 0.0 and np.all(np.isfinite(np.asarray(asserted.data)))
+
+
+def test_floor_keeps_scale_from_collapsing():
+    tiny = jsa.ScaledArray(jnp.full((4,), 2.0**-40, jnp.float32), jnp.float32(2.0**-100))
+    out = jsa.scalify(ops.dynamic_rescale_max)(tiny)
+    # 2**-140 would be a float32 subnormal scale: it stops at the smallest normal.
+    assert float(out.scale) == 2.0**-126
+    np.testing.assert_array_equal(np.asarray(out.data), np.full((4,), 2.0**-14, np.float32))
+    out = jsa.scalify(lambda a: ops.dynamic_rescale_max(a, min_scale=2.0**-110))(tiny)
+    assert float(out.scale) == 2.0**-110
+
+
+def test_large_data_does_not_overflow_the_statistic():
+    big = jsa.ScaledArray(jnp.full((8,), 2.0**100, jnp.float32), jnp.float32(1.0))
+    for fn in RESCALES.values():
+        out = jsa.scalify(fn)(big)
+        assert float(out.scale) == 2.0**100
+        np.testing.assert_array_equal(np.asarray(out.data), np.ones(8, np.float32))
+
+
+def test_low_precision_data():
+    x = _x(scale=1000.0).astype(jnp.float16)
+    out = jsa.scalify(ops.dynamic_rescale_l2)(jsa.as_scaled_array(x))
+    assert out.dtype == jnp.float16 and out.scale.dtype == jnp.float32
+    assert 1.0 <= STATS["l2"](np.asarray(out.data, np.float32)) < 2.0
+
+
+def test_pytree_non_floating_leaves_pass_through_and_jit():
+    tree = {"x": jsa.as_scaled_array(_x()), "i": jnp.arange(3), "empty": jsa.as_scaled_array(jnp.zeros((0,)))}
+    out = jax.jit(jsa.scalify(ops.dynamic_rescale_l2))(tree)
+    assert out["i"].dtype == jnp.int32 and np.array_equal(out["i"], np.arange(3))
+    assert float(out["x"].scale) == 16.0
+    assert out["empty"].shape == (0,)
+
+
+def test_scaled_array_outside_scalify_is_rescaled_eagerly():
+    sx = jsa.as_scaled_array(_x())
+    out = ops.dynamic_rescale_l2({"a": sx, "b": _x()})
+    assert float(out["a"].scale) == 16.0
+    np.testing.assert_array_equal(out["b"], _x())
+
+
+def test_vmap_inside_scalify_uses_one_scale():
+    x = _x()
+    out = jsa.scalify(jax.vmap(ops.dynamic_rescale_max))(jsa.as_scaled_array(x))
+    assert out.scale.shape == ()
+    np.testing.assert_allclose(np.asarray(out.to_array()), np.asarray(x), rtol=1e-6)
+    assert_pow2_scales(out)
+
+
+# --- _grad variants -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm", sorted(GRAD_RESCALES))
+def test_grad_variant_is_identity_outside_scalify(norm):
+    fn, x = GRAD_RESCALES[norm], _x()
+    np.testing.assert_array_equal(fn(x), x)
+    np.testing.assert_array_equal(jax.jit(fn)(x), x)
+    g = jax.jit(jax.grad(lambda a: jnp.sum(fn(a) * 3.0)))(x)
+    np.testing.assert_array_equal(g, jnp.full_like(x, 3.0))
+    g = jax.vmap(jax.grad(lambda a: jnp.sum(fn(a) * 3.0)))(x)
+    np.testing.assert_array_equal(g, jnp.full_like(x, 3.0))
+
+
+def _names(jaxpr) -> list[str]:
+    """Primitive names in order, sub-jaxprs (the jitted rescale) expanded in place."""
+    names = []
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        names.append(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names.extend(_names(sub))
+    return names
+
+
+def test_grad_variant_acts_on_backward_only():
+    x = _x()
+    fwd = _names(jax.make_jaxpr(ops.dynamic_rescale_l2_grad)(x))
+    assert "rebalance" not in fwd and "get_data_scale" not in fwd
+    grad_jaxpr = jax.make_jaxpr(jax.grad(lambda a: jnp.sum(ops.dynamic_rescale_l2_grad(a) * 3.0)))(x)
+    bwd = _names(grad_jaxpr)
+    assert bwd.count("get_data_scale") == 1 and bwd.count("rebalance") == 1 and bwd[-1] == "rebalance"
+    # The forward variant rebalances the primal first; its cotangent is not rescaled.
+    grad_jaxpr = jax.make_jaxpr(jax.grad(lambda a: jnp.sum(ops.dynamic_rescale_l2(a) * 3.0)))(x)
+    first = grad_jaxpr.jaxpr.eqns[0]
+    assert _names(grad_jaxpr).count("rebalance") == 1
+    assert first.primitive.name == "jit" and "rebalance" in _names(first.params["jaxpr"])
+
+
+@pytest.mark.parametrize("norm", sorted(GRAD_RESCALES))
+def test_grad_variant_rescales_cotangent_under_scalify(norm):
+    x = _x()
+    w = _x(scale=1e-3, shape=x.shape)
+    grad_fn = jax.grad(lambda a, b: jnp.sum(GRAD_RESCALES[norm](a) * b))
+    g = jsa.scalify(grad_fn)(x, w)  # plain inputs: only the cotangent gets a scale
+    assert isinstance(g, jsa.ScaledArray)
+    assert_pow2_scales(g)
+    np.testing.assert_allclose(np.asarray(g.to_array()), np.asarray(w), rtol=1e-6)
+    assert 1.0 <= STATS[norm](np.asarray(g.data)) < 2.0
+    # The forward is untouched: the primal output of the function stays plain.
+    y = jsa.scalify(GRAD_RESCALES[norm])(x)
+    assert not isinstance(y, jsa.ScaledArray)
+
+
+def test_grad_variant_pytree_with_integer_leaves():
+    tree = {"x": _x(), "i": jnp.arange(3)}
+
+    def loss(t):
+        t = ops.dynamic_rescale_grad(t, "max")
+        return jnp.sum(t["x"]) + jnp.sum(t["i"])
+
+    g = jax.grad(loss, allow_int=True)(tree)
+    np.testing.assert_array_equal(g["x"], jnp.ones_like(tree["x"]))
+    assert g["i"].dtype == jax.dtypes.float0
