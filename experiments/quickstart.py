@@ -43,6 +43,9 @@ def loss_fn(params, x, labels):
 def make_step(lr):
     def step(params, x, labels):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, labels)
+        # Unit-scaling rules predict the size of gradients from their shapes; a dynamic
+        # rescale corrects that prediction with the measured RMS (a no-op outside scalify).
+        grads = jsa.ops.dynamic_rescale_l2(grads)
         return loss, jax.tree.map(lambda p, g: p - lr * g, params, grads)
 
     return step

@@ -185,22 +185,32 @@ def _as_scaled_leaf(x: Any, scale: Array | None) -> Any:
         scale = npapi.asarray(scale).astype(scale_dtype)
         data = (npapi.asarray(x).astype(np.float32) / scale.astype(np.float32)).astype(x.dtype)
         return ScaledArray(data, scale)
-    if np.ndim(x) == 0:
-        s, mantissa = pow2_decompose(npapi.asarray(x), scale_dtype=scale_dtype)
-        # Zero and non-finite scalars keep scale 1: a 0 or inf scale would poison every rule.
-        keep = ~npapi.isfinite(s) | (s == 0)
-        return ScaledArray(npapi.where(keep, x, mantissa).astype(x.dtype), npapi.where(keep, 1, s).astype(scale_dtype))
-    return ScaledArray(x, npapi.ones((), scale_dtype))
+    return ScaledArray(*_unit_rms_split(x, npapi, scale_dtype))
+
+
+def _unit_rms_split(x: Array, npapi, scale_dtype) -> tuple[Array, Array]:
+    """``(x / s, s)`` with ``s = pow2_round_down(rms(x))``: data of RMS in ``[1, 2)``.
+
+    For a scalar this is the exact mantissa / power-of-two split. All-zero and non-finite
+    inputs keep scale 1 (a 0 or inf scale would poison the rules downstream).
+    """
+    x = npapi.asarray(x)
+    work = x.astype(np.float64 if x.dtype == np.float64 else np.float32)
+    rms = npapi.sqrt(npapi.mean(npapi.square(work)))
+    scale = pow2_decompose(rms)[0]
+    scale = npapi.where(npapi.isfinite(scale) & (scale > 0), scale, npapi.ones_like(scale))
+    return (work / scale).astype(x.dtype), scale.astype(scale_dtype)
 
 
 def as_scaled_array(tree: Any, scale: Array | None = None) -> Any:
     """Make every floating leaf of ``tree`` a ``ScaledArray`` with the same value.
 
-    - floating arrays become ``ScaledArray(value / scale, scale)``, with scale 1 when
-      ``scale`` is not given;
-    - a Python float or a 0-d floating array (with ``scale`` not given) becomes a mantissa
-      in ``[1, 2)`` times a power-of-two scale, so scalars such as a learning rate get a
-      meaningful scale;
+    - with ``scale`` given, floating arrays become ``ScaledArray(value / scale, scale)``;
+    - without it, the scale is the power of two just below the RMS of the array, so the data
+      have an RMS in ``[1, 2)`` (the unit-scaling assumption every scale rule relies on).
+      For a Python float or a 0-d array this is the exact split into a mantissa in
+      ``[1, 2)`` and a power of two. All-zero or non-finite arrays get scale 1. Pass
+      ``scale=1.0`` to keep the data equal to the values;
     - integer and boolean leaves are returned unchanged, and so are ``ScaledArray`` leaves.
 
     Scales have the configured scale dtype (float32 by default).

@@ -79,7 +79,7 @@ class custom_scale:  # noqa: N801  (named like jax.custom_jvp)
 
     @property
     def _name(self) -> str:
-        return getattr(self.fun, "__name__", repr(self.fun))
+        return getattr(self, "__name__", None) or getattr(self.fun, "__name__", repr(self.fun))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.scale_rule is None:

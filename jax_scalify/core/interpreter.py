@@ -185,7 +185,7 @@ def eval_scaled_jaxpr(
 
     def read_scalar(v):
         if isinstance(v, Literal):
-            return _concrete_scalar(v.val)
+            return concrete_scalar(v.val)
         return scalars.get(v)
 
     def write(v, value, scalar=None):
@@ -196,7 +196,7 @@ def eval_scaled_jaxpr(
             scalars[v] = scalar
 
     for v, c in zip(jaxpr.constvars, consts):
-        write(v, c, _concrete_scalar(c))
+        write(v, c, concrete_scalar(c))
     arg_scalars = arg_scalars or [None] * len(args)
     if len(args) != len(jaxpr.invars):
         raise ValueError(f"The jaxpr takes {len(jaxpr.invars)} arguments, {len(args)} were given.")
@@ -267,11 +267,11 @@ def _promote_if_floating(x, scalar):
     return promote(x, scalar)
 
 
-def _concrete_scalar(value) -> np.ndarray | None:
-    """The value as a NumPy scalar if it is a concrete floating 0-d or size-1 array."""
-    if isinstance(value, jax.core.Tracer) or not hasattr(value, "dtype") and not isinstance(value, float):
-        return None
-    if np.size(value) != 1 or not is_floating_dtype(np.asarray(value).dtype):
+def concrete_scalar(value) -> np.ndarray | None:
+    """The value as a 0-d NumPy array if it is a concrete (not traced) size-1 number."""
+    if isinstance(value, (bool, int, float)):
+        return np.asarray(value)
+    if isinstance(value, jax.core.Tracer) or not hasattr(value, "dtype") or np.size(value) != 1:
         return None
     return np.asarray(value).reshape(())
 

@@ -19,6 +19,7 @@ from .primitives import (
 # Layout, indexing, gather/scatter and sort rules.
 from . import rules_indexing, rules_layout  # noqa: F401  (registers rules)
 from .rules_indexing import (
+    scaled_approx_top_k,
     scaled_dynamic_slice,
     scaled_dynamic_update_slice,
     scaled_gather,
@@ -128,4 +129,17 @@ from .rules_unary import (
     scaled_square,
     scaled_tan,
     scaled_tanh,
+)
+
+# Control flow, checkpoint, callbacks and sharding constraints.
+from .control_flow import (
+    scaled_checkpoint,
+    scaled_cond,
+    scaled_debug_callback,
+    scaled_debug_print,
+    scaled_io_callback,
+    scaled_pure_callback,
+    scaled_scan,
+    scaled_sharding_constraint,
+    scaled_while,
 )

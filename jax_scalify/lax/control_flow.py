@@ -34,7 +34,7 @@ from jax.experimental import io_callback
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from ..core.array import ScaledArray
-from ..core.interpreter import eval_scaled_jaxpr, unpromoted_inputs
+from ..core.interpreter import concrete_scalar, eval_scaled_jaxpr, unpromoted_inputs
 from ..core.registry import ScaledPrimitiveType, lax_primitive, primitive_of, register_scaled_op
 from .base_scaling import as_scale, mul_data, rescale, scale_dtype
 
@@ -128,8 +128,18 @@ def _fixed_point(run: Callable[[tuple[bool, ...], object], Any], scaled: Sequenc
     raise AssertionError("unreachable: the scaled set grows at every retry")
 
 
+def _known_scalars(args: Sequence[Any]) -> list:
+    """Per argument, the constant scalar it holds if known at trace time (else None)."""
+    return [None if _is_scaled(a) else concrete_scalar(a) for a in args]
+
+
+def _eval_scaled(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
+    """The interpreter on a sub-jaxpr; constant arguments keep their constant-scalar status."""
+    return eval_scaled_jaxpr(jaxpr, consts, list(args), _known_scalars(args))
+
+
 def _eval_closed(closed: ClosedJaxpr, args: Sequence[Any]) -> list:
-    return eval_scaled_jaxpr(closed.jaxpr, closed.consts, list(args))
+    return _eval_scaled(closed.jaxpr, closed.consts, args)
 
 
 # --- stacked outputs: per-iteration scales rebalanced to one scalar -------------------------
@@ -197,7 +207,7 @@ def scaled_scan(
     unroll: int | bool,
     **params: Any,
 ) -> list:
-    """Body scalified; carries scaled if scaled on entry or in the body (fixed point); ys stacked to their largest scale.
+    """Body scalified; carries scaled if scaled on entry or in the body; ys rebalanced to their largest scale.
 
     Consts and scanned inputs (xs) keep their scaled or plain form; a scaled xs is scanned
     over its data with its (scalar) scale held constant. Carries: see the module docstring.
@@ -245,7 +255,7 @@ def scaled_scan(
 def scaled_while(
     *args: Any, cond_jaxpr: ClosedJaxpr, body_jaxpr: ClosedJaxpr, cond_nconsts: int, body_nconsts: int
 ) -> list:
-    """Condition and body scalified; carries scaled if scaled on entry or in the body (fixed point), scales traced."""
+    """Condition and body scalified; carries scaled if scaled on entry or in the body, scales traced."""
     cond_consts, body_consts = args[:cond_nconsts], args[cond_nconsts : cond_nconsts + body_nconsts]
     init = args[cond_nconsts + body_nconsts :]
 
@@ -269,19 +279,20 @@ def scaled_while(
 @register_scaled_op(cond_p)
 @unpromoted_inputs
 def scaled_cond(index: Array, *operands: Any, branches: Sequence[ClosedJaxpr], **params: Any) -> list:
-    """Branches scalified; an output scaled in any branch is scaled in all (scale 1 where plain); the taken branch's scale."""
+    """Branches scalified; an output scaled in one branch is scaled in all; the taken branch's scale."""
     num_outs = len(branches[0].out_avals)
 
     def run(scaled: tuple[bool, ...], owner: object):
         def branch_fun(branch: ClosedJaxpr):
-            def fun(*ops):
-                outs = _eval_closed(branch, ops)
+            # Operands are closed over (not passed) so that trace-time constants stay constants.
+            def fun():
+                outs = _eval_closed(branch, operands)
                 _check_structure(owner, outs, scaled)
                 return _flatten(outs, scaled)
 
             return fun
 
-        return jax.lax.switch(_plain(index), [branch_fun(b) for b in branches], *operands)
+        return jax.lax.switch(_plain(index), [branch_fun(b) for b in branches])
 
     scaled, outs_flat = _fixed_point(run, [False] * num_outs)
     return _unflatten(outs_flat, scaled)
@@ -294,15 +305,16 @@ def scaled_checkpoint(*args: Any, jaxpr: Jaxpr, prevent_cse: bool | tuple, diffe
     """Body scalified inside a checkpoint with the same policy, prevent_cse and differentiated flags."""
     leaves, treedef = jax.tree.flatten(list(args))
     arg_of_leaf = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
-    # NumPy leaves (scales folded at trace time) stay constants of the body.
-    traced = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, (np.ndarray, np.generic))]
+    # NumPy and Python leaves (literals, scales folded at trace time) stay constants of the body.
+    constant_types = (np.ndarray, np.generic, bool, int, float)
+    traced = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, constant_types)]
     out_tree_box = []
 
     def flat_body(*traced_leaves):
         full = list(leaves)
         for i, leaf in zip(traced, traced_leaves):
             full[i] = leaf
-        outs = eval_scaled_jaxpr(jaxpr, [], jax.tree.unflatten(treedef, full))
+        outs = _eval_scaled(jaxpr, [], jax.tree.unflatten(treedef, full))
         outs_flat, out_tree = jax.tree.flatten(outs)
         out_tree_box.append(out_tree)
         return outs_flat

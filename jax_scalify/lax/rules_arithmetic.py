@@ -113,8 +113,9 @@ def _scaled_aligned(prim: Primitive, operands: Sequence[Any], params: dict) -> S
 def _value_output(result: Array, dtype: Any, scale: Array) -> ScaledArray:
     """A value computed in float32 as a ``ScaledArray`` of data dtype ``dtype`` and ``scale``."""
     scale = as_scale(scale)
-    data = result / jnp.asarray(scale).astype(result.dtype) if not (_is_numpy(scale) and scale == 1) else result
-    return ScaledArray(data.astype(dtype), scale)
+    if not (_is_numpy(scale) and np.all(scale == 1)):
+        result = result / jnp.asarray(scale).astype(result.dtype)
+    return ScaledArray(result.astype(dtype), scale)
 
 
 def _value(x: Any) -> Array:
@@ -285,20 +286,21 @@ def scaled_convert_element_type(x: ScaledArray, *, new_dtype: Any, **params) -> 
 @register_scaled_lax_op
 def scaled_reduce_precision(x: ScaledArray, **params) -> ScaledArray:
     """Scale kept, precision reduced on the data (the simulated format applies to the data)."""
-    return ScaledArray(_bind(P.reduce_precision_p, x, **params), x.scale)
+    return ScaledArray(_bind(P.reduce_precision_p, x, **params), as_scale(x.scale))
 
 
 @register_scaled_lax_op
 def scaled_stop_gradient(x: ScaledArray, **params) -> ScaledArray:
     """Scale kept; gradient stopped on both the data and the scale."""
-    scale = x.scale if _is_numpy(x.scale) else jax.lax.stop_gradient(x.scale)
+    scale = as_scale(x.scale)
+    scale = scale if _is_numpy(scale) else jax.lax.stop_gradient(scale)
     return ScaledArray(_bind(P.stop_gradient_p, x, **params), scale)
 
 
 @register_scaled_lax_op
 def scaled_copy(x: ScaledArray, **params) -> ScaledArray:
     """Scale kept, data copied."""
-    return ScaledArray(_bind(P.copy_p, x, **params), x.scale)
+    return ScaledArray(_bind(P.copy_p, x, **params), as_scale(x.scale))
 
 
 def _convert_scalar(scalar: np.ndarray, *, new_dtype: Any, **params) -> np.ndarray:

@@ -3,8 +3,8 @@
 Indices are integer operands: they arrive plain and are passed through unchanged. The scale
 logic (design section 5):
 
-- reading elements (``dynamic_slice``, ``gather``, ``sort``, the values of ``top_k``) keeps
-  the scale: the primitive is applied to the data;
+- reading elements (``dynamic_slice``, ``gather``, ``sort``, the values of ``top_k`` and
+  ``approx_top_k``) keeps the scale: the primitive is applied to the data;
 - writing elements of one floating array into another (``dynamic_update_slice``,
   ``scatter``, ``scatter_min``/``scatter_max``, ``scatter_add``) aligns both to the largest
   scale, an any-scale operand (constant 0 or ±inf) adopting it;
@@ -38,7 +38,9 @@ def _fill_needs_scaling(mode: Any, fill_value: Any) -> bool:
     return value == value and value != 0 and abs(value) != float("inf")
 
 
-def _bind_scatter_aligned(prim: Primitive, operand: ScaledArray, indices: Array, updates: ScaledArray, **params):
+def _bind_scatter_aligned(
+    prim: Primitive, operand: ScaledArray, indices: Array, updates: ScaledArray, **params
+) -> ScaledArray:
     """A scatter-like primitive bound on operand and updates aligned to their largest scale."""
     (operand, updates), scale = align_to_largest([with_scalar_scale(operand), with_scalar_scale(updates)])
     return ScaledArray(prim.bind(operand.data, indices, updates.data, **params), scale)
@@ -58,7 +60,7 @@ def scaled_dynamic_update_slice(operand: ScaledArray, update: ScaledArray, *star
 
 @register_scaled_lax_op
 def scaled_gather(operand: ScaledArray, indices: Array, *, mode: Any, fill_value: Any = None, **params) -> ScaledArray:
-    """Scale unchanged (gather applied to the data; a fill value other than 0/±inf/nan is divided by it)."""
+    """Scale unchanged (gather applied to the data; a fill value other than 0/±inf/nan is divided by the scale)."""
     if not _fill_needs_scaling(mode, fill_value):
         return bind_keep_scale(P.gather_p, operand, indices, mode=mode, fill_value=fill_value, **params)
     # Out-of-bounds slots hold `fill_value` as a value: find them by gathering ones filled with 0.
@@ -121,12 +123,23 @@ def scaled_sort(*operands: Any, **params) -> list[Any]:
     return [ScaledArray(out, x.scale) if isinstance(x, ScaledArray) else out for out, x in zip(outs, operands)]
 
 
+def _bind_values_indices(prim: Primitive, operand: ScaledArray, *others: Array, **params) -> list[Any]:
+    """A (values, indices) selection bound on the data: values keep the scale, indices plain."""
+    operand = with_scalar_scale(operand)
+    values, indices = prim.bind(operand.data, *others, **params)
+    return [ScaledArray(values, operand.scale), indices]
+
+
 @register_scaled_lax_op
 def scaled_top_k(operand: ScaledArray, *others: Array, **params) -> list[Any]:
     """Values keep the scale (top_k applied to the data); indices plain."""
-    operand = with_scalar_scale(operand)
-    values, indices = P.top_k_p.bind(operand.data, *others, **params)
-    return [ScaledArray(values, operand.scale), indices]
+    return _bind_values_indices(P.top_k_p, operand, *others, **params)
+
+
+@register_scaled_lax_op
+def scaled_approx_top_k(operand: ScaledArray, **params) -> list[Any]:
+    """Values keep the scale (approx_top_k applied to the data); indices plain."""
+    return _bind_values_indices(P.approx_top_k_p, operand, **params)
 
 
 # `dynamic_slice` clamps its indices, so it maps a broadcast scalar to the same scalar. `gather`
@@ -134,6 +147,7 @@ def scaled_top_k(operand: ScaledArray, *others: Array, **params) -> list[Any]:
 register_scalar_preserving(P.dynamic_slice_p)
 
 __all__ = [
+    "scaled_approx_top_k",
     "scaled_dynamic_slice",
     "scaled_dynamic_update_slice",
     "scaled_gather",

@@ -30,25 +30,13 @@ from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.pow2 import pow2_exponent, pow2_round_down
 from ..core.registry import register_scalar_preserving, register_scaled_lax_op, register_scaled_op
 from .base_scaling import as_scale, mul_data, to_float32_value
+from .rules_arithmetic import _is_numpy, _npapi, _value_output, _widen  # shared private helpers
 
 Array = Any
 ScaleMap = Callable[[Array], Array]
 
 
 # --- private helpers -------------------------------------------------------------------------
-def _is_numpy(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, np.generic, float, int))
-
-
-def _npapi(x: Any):
-    return np if _is_numpy(x) else jnp
-
-
-def _widen(data: Array) -> Array:
-    """Data in float32 when its dtype is narrower (16 or 8 bits), else unchanged."""
-    return data.astype(np.float32) if jnp.finfo(data.dtype).bits < 32 else data
-
-
 def _unit_scale(scale: Array) -> Array:
     return as_scale(1)
 
@@ -69,11 +57,7 @@ def _scale_floored_at_one(scale: Array) -> Array:
 
 def _on_value(prim: Primitive, x: ScaledArray, params: dict, out_scale: ScaleMap) -> ScaledArray:
     """``prim`` on the value (float32 for narrow data), divided by the output scale, cast back."""
-    result = prim.bind(to_float32_value(x), **params)
-    scale = out_scale(x.scale)
-    if not (_is_numpy(scale) and np.all(scale == 1)):
-        result = result / jnp.asarray(scale).astype(result.dtype)
-    return ScaledArray(result.astype(x.dtype), scale)
+    return _value_output(prim.bind(to_float32_value(x), **params), x.dtype, out_scale(x.scale))
 
 
 def _on_value_rule(prim: Primitive, out_scale: ScaleMap, doc: str) -> Callable[..., ScaledArray]:
@@ -124,13 +108,13 @@ def _root(x: ScaledArray, n: int, data_fn: Callable[[Array], Array], inverse: bo
 @register_scaled_lax_op
 def scaled_neg(x: ScaledArray, **params) -> ScaledArray:
     """Scale kept, data negated."""
-    return ScaledArray(P.neg_p.bind(x.data, **params), x.scale)
+    return ScaledArray(P.neg_p.bind(x.data, **params), as_scale(x.scale))
 
 
 @register_scaled_lax_op
 def scaled_abs(x: ScaledArray, **params) -> ScaledArray:
     """Scale kept, abs of the data."""
-    return ScaledArray(P.abs_p.bind(x.data, **params), x.scale)
+    return ScaledArray(P.abs_p.bind(x.data, **params), as_scale(x.scale))
 
 
 @register_scaled_lax_op

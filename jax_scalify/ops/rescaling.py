@@ -107,6 +107,14 @@ def _pow2_max(dtype) -> float:
     return float(2.0 ** (jnp.finfo(dtype).maxexp - 1))
 
 
+def _pow2_floor(min_scale: float) -> float:
+    """``min_scale`` checked and rounded up to a power of two, so factors stay powers of two."""
+    value = float(min_scale)
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(f"dynamic_rescale: min_scale must be a positive finite number, got {min_scale!r}.")
+    return float(2.0 ** np.ceil(np.log2(value)))
+
+
 def _rescale_factor(stat: Array, scale: Array, mode: Pow2RoundMode | None, min_scale: float | None) -> Array:
     """The power-of-two factor for ``rebalance``, guarded as the module docstring says."""
     scale_dtype = np.dtype(scale.dtype)
@@ -177,13 +185,14 @@ def dynamic_rescale(
         rounding_mode: how the statistic is rounded to a power of two (default: the
             configured ``ScalifyConfig.rounding_mode``).
         min_scale: the scale is never moved below it (default: the smallest normal number
-            of the scale dtype). A zero or non-finite statistic leaves the leaf unchanged.
+            of the scale dtype; other values are rounded up to a power of two). A zero or
+            non-finite statistic leaves the leaf unchanged.
     """
     norm_fn = _norm_fn(norm)
     config = get_scalify_config()
     if rounding_mode is not None:
         config = dataclasses.replace(config, rounding_mode=rounding_mode)
-    min_scale = None if min_scale is None else float(min_scale)
+    min_scale = None if min_scale is None else _pow2_floor(min_scale)
     return jax.tree.map(lambda x: _rescale_leaf(x, norm_fn, config, min_scale), tree, is_leaf=is_scaled_leaf)
 
 

@@ -144,8 +144,10 @@ def test_invariance(case, data):
 
 
 # --- helpers -------------------------------------------------------------------------------
-def scaled(x, exponent, dtype=np.float32):
-    return jsa.ScaledArray(jnp.asarray(np.asarray(x, np.float64) / 2.0**exponent, dtype), jnp.float32(2.0**exponent))
+def scaled(x, exponent):
+    """``x`` as a float32 ``ScaledArray`` with scale ``2**exponent``."""
+    data = np.asarray(x, np.float64) / 2.0**exponent
+    return jsa.ScaledArray(jnp.asarray(data, np.float32), jnp.float32(2.0**exponent))
 
 
 def value(x):
@@ -236,12 +238,14 @@ def test_scan_jit_outside_and_vmap_inside():
 
 
 def test_grad_outside_scalify():
+    u, h0, xs = np.eye(3, 4, dtype=np.float32), jnp.ones(4), jnp.ones((5, 3))
+
     def loss(w_data):
-        h, _ = jsa.scalify(rnn)(jsa.ScaledArray(w_data, jnp.float32(0.5)), scaled(np.eye(3, 4), 0), jnp.ones(4), jnp.ones((5, 3)))
+        h, _ = jsa.scalify(rnn)(jsa.ScaledArray(w_data, jnp.float32(0.5)), scaled(u, 0), h0, xs)
         return jnp.sum(h.to_array())
 
     w = RNG.standard_normal((4, 4)).astype(np.float32)
-    expected = jax.grad(lambda w: jnp.sum(rnn(w * 0.5, np.eye(3, 4, dtype=np.float32), jnp.ones(4), jnp.ones((5, 3)))[0]))(w)
+    expected = jax.grad(lambda w: jnp.sum(rnn(w * 0.5, u, h0, xs)[0]))(w)
     np.testing.assert_allclose(jax.grad(loss)(w), expected, rtol=2e-5, atol=1e-6)
 
 
@@ -250,8 +254,8 @@ def test_while_float16_carry_far_below_float16_range():
     def fn(x, w, n):
         return lax.fori_loop(0, n, lambda i, c: c * w + c, x)
 
-    x = scaled(np.full(4, 1.5), -40, np.float16)
-    w = scaled(np.full(4, 0.25), 0, np.float16)
+    x = jsa.ScaledArray(jnp.full(4, 1.5, np.float16), jnp.float32(2.0**-40))  # value 1.5 * 2**-40
+    w = jsa.ScaledArray(jnp.full(4, 1.0, np.float16), jnp.float32(0.25))
     got = jsa.scalify(fn)(x, w, 3)
     assert "while" in primitives_in(jsa.scalify(fn), x, w, 3)
     assert isinstance(got, jsa.ScaledArray) and got.dtype == np.float16

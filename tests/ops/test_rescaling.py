@@ -85,6 +85,10 @@ def test_floor_keeps_scale_from_collapsing():
     np.testing.assert_array_equal(np.asarray(out.data), np.full((4,), 2.0**-14, np.float32))
     out = jsa.scalify(lambda a: ops.dynamic_rescale_max(a, min_scale=2.0**-110))(tiny)
     assert float(out.scale) == 2.0**-110
+    out = jsa.scalify(lambda a: ops.dynamic_rescale_max(a, min_scale=0.75 * 2.0**-110))(tiny)
+    assert float(out.scale) == 2.0**-110  # rounded up to a power of two
+    with pytest.raises(ValueError, match="min_scale"):
+        ops.dynamic_rescale_max(tiny.data, min_scale=0.0)
 
 
 def test_large_data_does_not_overflow_the_statistic():

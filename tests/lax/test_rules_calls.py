@@ -1,0 +1,74 @@
+"""Rules of jit, custom_jvp_call and custom_vjp_call."""
+import functools
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import jax_scalify as jsa
+from tests.invariance import Case, check_case, normal
+
+
+@jax.custom_vjp
+def clipped_square(x):
+    return x * x
+
+
+clipped_square.defvjp(lambda x: (x * x, x), lambda x, g: (jnp.clip(2 * x * g, -1.0, 1.0),))
+
+
+@jax.custom_jvp
+def soft_abs(x):
+    return jnp.sqrt(x * x + 1.0)
+
+
+soft_abs.defjvp(lambda primals, tangents: (soft_abs(primals[0]), primals[0] / soft_abs(primals[0]) * tangents[0]))
+
+
+@functools.partial(jax.jit, static_argnames="power")
+def jitted_poly(x, y, power=2):
+    return x**power + jnp.where(y > 0, y, 0.0)
+
+
+INVARIANCE_CASES = [
+    Case("jit", lambda x, y: jitted_poly(x, y), [normal(3, 4), normal(3, 4)], grad=True),
+    Case("jit_nested", jax.jit(lambda x: jax.jit(jnp.tanh)(x) * 2.0), [normal(5)], grad=True),
+    Case("custom_jvp", soft_abs, [normal(6)], grad=True),
+    Case("custom_vjp", clipped_square, [normal(6)], grad=True),
+    Case("jax_nn_relu", jax.nn.relu, [normal(2, 3)], grad=True),
+]
+
+
+@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_invariance(case, data):
+    check_case(case, data)
+
+
+def test_jit_keeps_name_and_inline():
+    fn = jax.jit(jnp.sin, inline=True)
+    jaxpr = jax.make_jaxpr(jsa.scalify(lambda x: jax.jit(jnp.cos)(x) + fn(x)))(jsa.as_scaled_array(jnp.ones(3)))
+    jits = [e for e in jaxpr.eqns if e.primitive.name == "jit"]
+    names = [e.params["name"] for e in jits]
+    assert "cos" in names and "sin" not in names  # the inline=True one was inlined
+
+
+def test_custom_vjp_grad_inside_scalify_uses_the_custom_backward():
+    x = jnp.array([3.0, -0.1, 0.2])
+    expected = jax.grad(lambda a: jnp.sum(clipped_square(a)))(x)
+    got = jsa.scalify(jax.grad(lambda a: jnp.sum(clipped_square(a))))(jsa.as_scaled_array(x))
+    np.testing.assert_allclose(got.to_array(), expected)
+    assert float(expected[0]) == 1.0  # clipped: the custom rule, not 2 * x
+
+
+def test_repeated_eager_calls_reuse_the_compiled_jit():
+    fn = jsa.scalify(lambda x: jnp.where(x > 0, x, 0.0))
+    x = jsa.as_scaled_array(jnp.arange(4.0) - 1)
+    fn(x)
+    before = jsa.lax.rules_calls._jitted_body.cache_info().hits
+    fn(x)
+    assert jsa.lax.rules_calls._jitted_body.cache_info().hits > before
