@@ -109,12 +109,15 @@ _UNARY = {
 }
 
 
-@pytest.mark.parametrize("exponent", [-41, -40, 29, 30])
-@pytest.mark.parametrize("name", sorted(_UNARY))
+_SATURATED = ("tanh", "sin")  # at large values: nothing for float16 to lose
+
+
+@pytest.mark.parametrize(
+    "name, exponent",
+    [(name, e) for name in sorted(_UNARY) for e in (-41, -40, 29, 30) if e < 0 or name not in _SATURATED],
+)
 def test_float16_values_out_of_range(name, exponent):
     fn, ref, signed = _UNARY[name]
-    if name in ("tanh", "sin") and exponent > 0:
-        pytest.skip("saturated: nothing to lose in float16")
     x = _f16(exponent, seed=1, signed=signed)
     out = jsa.scalify(fn)(x)
     assert out.dtype == jnp.float16
