@@ -54,7 +54,7 @@ def test_rounding_mode_up():
 
 def test_custom_norm_callable_and_unknown_norm():
     x = _x()
-    out = jsa.scalify(lambda a: ops.dynamic_rescale(a, norm=lambda d: jnp.float32(8.0)))(jsa.as_scaled_array(x))
+    out = jsa.scalify(lambda a: ops.dynamic_rescale(a, norm=lambda d: jnp.float32(8.0)))(jsa.ScaledArray(x, jnp.float32(1.0)))
     assert float(out.scale) == 8.0
     np.testing.assert_allclose(np.asarray(out.data), np.asarray(x) / 8)
     with pytest.raises(ValueError, match="'l1', 'l2', 'max'"):

@@ -1,0 +1,171 @@
+"""Overhead of scalify: a scalified training step against the same step under plain jax.jit.
+
+Run: ``python -m benchmarks.overhead`` (``--quick`` for a short run). Prints, for each
+benchmark, the median runtime of both steps (interleaved A/B timing in one process), the
+median trace+lower+compile time of both, and their ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jax_scalify as jsa
+
+from .common import compile_seconds, interleaved_compile_medians, interleaved_medians
+
+
+# --- MLP 784-1024-1024-1024-10, batch 256, SGD -------------------------------------------------
+def mlp_init(key, sizes=(784, 1024, 1024, 1024, 10)):
+    params = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+        key, sub = jax.random.split(key)
+        params.append({"w": jax.random.normal(sub, (fan_in, fan_out)) / np.sqrt(fan_in), "b": jnp.zeros(fan_out)})
+    return params
+
+
+def mlp_loss(params, x, labels):
+    for layer in params[:-1]:
+        x = jax.nn.relu(x @ layer["w"] + layer["b"])
+    logits = (x @ params[-1]["w"] + params[-1]["b"]).astype(jnp.float32)
+    return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * labels, axis=-1))
+
+
+def mlp_step(params, x, labels):
+    loss, grads = jax.value_and_grad(mlp_loss)(params, x, labels)
+    return loss, jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
+
+
+def mlp_inputs(dtype):
+    key = jax.random.PRNGKey(0)
+    params = jsa.tree.astype(mlp_init(key), dtype)
+    x = jax.random.normal(key, (256, 784)).astype(dtype)
+    labels = jax.nn.one_hot(jax.random.randint(key, (256,), 0, 10), 10, dtype=dtype)
+    return params, x, labels
+
+
+# --- 4-layer GPT step, lax.scan over layers, Adam --------------------------------------------
+GPT = dict(vocab=256, seq=128, width=256, heads=4, layers=4, batch=8)
+
+
+def gpt_init(key, vocab, seq, width, heads, layers, batch):
+    ks = jax.random.split(key, 8)
+    normal = lambda k, shape, fan_in: jax.random.normal(k, shape) / np.sqrt(fan_in)
+    return {
+        "embed": normal(ks[0], (vocab, width), 1.0) * 0.02,
+        "pos": normal(ks[1], (seq, width), 1.0) * 0.02,
+        "layers": {
+            "ln1": jnp.ones((layers, width)),
+            "qkv": normal(ks[2], (layers, width, 3 * width), width),
+            "proj": normal(ks[3], (layers, width, width), width),
+            "ln2": jnp.ones((layers, width)),
+            "up": normal(ks[4], (layers, width, 4 * width), width),
+            "down": normal(ks[5], (layers, 4 * width, width), 4 * width),
+        },
+        "ln_f": jnp.ones((width,)),
+    }
+
+
+def layer_norm(x, gain):
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + 1e-5)).astype(x.dtype) * gain
+
+
+def gpt_block(x, p, heads):
+    b, t, d = x.shape
+    h = layer_norm(x, p["ln1"])
+    q, k, v = jnp.split(h @ p["qkv"], 3, axis=-1)
+    q, k, v = (a.reshape(b, t, heads, d // heads) for a in (q, k, v))
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // heads)
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    attn = jax.nn.softmax(jnp.where(mask, logits.astype(jnp.float32), -1e9), axis=-1).astype(x.dtype)
+    x = x + jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, t, d) @ p["proj"]
+    h = layer_norm(x, p["ln2"])
+    return x + jax.nn.gelu(h @ p["up"]) @ p["down"]
+
+
+def gpt_loss(params, tokens, heads=GPT["heads"]):
+    x = params["embed"][tokens[:, :-1]] + params["pos"][: tokens.shape[1] - 1]
+    x, _ = jax.lax.scan(lambda h, p: (gpt_block(h, p, heads), None), x, params["layers"])
+    logits = (layer_norm(x, params["ln_f"]) @ params["embed"].T).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+OPT = optax.adam(1e-3)
+
+
+def gpt_step(params, opt_state, tokens):
+    loss, grads = jax.value_and_grad(gpt_loss)(params, tokens)
+    updates, opt_state = OPT.update(grads, opt_state, params)
+    return loss, optax.apply_updates(params, updates), opt_state
+
+
+def gpt_inputs(dtype):
+    key = jax.random.PRNGKey(0)
+    params = jsa.tree.astype(gpt_init(key, **GPT), dtype)
+    tokens = jax.random.randint(key, (GPT["batch"], GPT["seq"] + 1), 0, GPT["vocab"])
+    return params, OPT.init(params), tokens
+
+
+# --- running ---------------------------------------------------------------------------------
+def compare(name, step, inputs, rounds, compile_rounds):
+    plain = jax.jit(step)
+    scaled_step = jax.jit(jsa.scalify(step))
+    scaled_inputs = jsa.as_scaled_array(inputs)
+    times = interleaved_medians({"plain": lambda: plain(*inputs), "scalify": lambda: scaled_step(*scaled_inputs)}, rounds)
+    compiles = interleaved_compile_medians(
+        {
+            "plain": lambda: compile_seconds(step, *inputs),
+            "scalify": lambda: compile_seconds(jsa.scalify(step), *scaled_inputs),
+        },
+        compile_rounds,
+    )
+    row = {
+        "benchmark": name,
+        "plain_ms": 1e3 * times["plain"],
+        "scalify_ms": 1e3 * times["scalify"],
+        "runtime_ratio": times["scalify"] / times["plain"],
+        "plain_compile_s": compiles["plain"],
+        "scalify_compile_s": compiles["scalify"],
+        "compile_ratio": compiles["scalify"] / compiles["plain"],
+    }
+    print(
+        f"{name:<14}{row['plain_ms']:>10.2f}{row['scalify_ms']:>12.2f}{row['runtime_ratio']:>9.3f}"
+        f"{row['plain_compile_s']:>11.2f}{row['scalify_compile_s']:>13.2f}{row['compile_ratio']:>9.2f}",
+        flush=True,
+    )
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--only", help="comma-separated subset of benchmark names")
+    args = parser.parse_args(argv)
+    rounds, compile_rounds = (5, 2) if args.quick else (30, 5)
+    benches = {
+        "mlp_fp32": (mlp_step, lambda: mlp_inputs(jnp.float32)),
+        "mlp_fp16": (mlp_step, lambda: mlp_inputs(jnp.float16)),
+        "gpt_fp32": (gpt_step, lambda: gpt_inputs(jnp.float32)),
+        "gpt_fp16": (gpt_step, lambda: gpt_inputs(jnp.float16)),
+    }
+    if args.only:
+        benches = {k: v for k, v in benches.items() if k in args.only.split(",")}
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {rounds} interleaved rounds")
+    print(f"{'benchmark':<14}{'plain ms':>10}{'scalify ms':>12}{'ratio':>9}{'plain cmp':>11}{'scalify cmp':>13}{'ratio':>9}")
+    rows = [compare(name, step, make(), rounds, compile_rounds) for name, (step, make) in benches.items()]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
