@@ -2,7 +2,7 @@
 from .array import ScaledArray, as_scaled_array, asarray, is_floating_dtype, is_scaled_leaf, scaled_array
 from .config import Pow2RoundMode, ScalifyConfig, get_scalify_config
 from .custom_scale import custom_scale, custom_scale_call_p
-from .interpreter import eval_scaled_jaxpr, scalify, unpromoted_inputs
+from .interpreter import eval_scaled_jaxpr, observe_equations, scalify, unpromoted_inputs
 from .pow2 import get_mantissa, pow2_decompose, pow2_exponent, pow2_round, pow2_round_down, pow2_round_up
 from .promotion import AnyScaleArray, is_any_scale
 from .registry import (
@@ -34,6 +34,7 @@ __all__ = [
     "is_any_scale",
     "is_floating_dtype",
     "is_scaled_leaf",
+    "observe_equations",
     "pow2_decompose",
     "pow2_exponent",
     "pow2_round",

@@ -14,6 +14,7 @@ control-flow primitives, live in :mod:`jax_scalify.lax` and are looked up in the
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 from typing import Any, Callable, Sequence
@@ -38,9 +39,26 @@ jax.tree_util.register_pytree_node(
 class _TraceState(threading.local):
     def __init__(self):
         self.depth = 0
+        self.observers: list[EquationObserver] = []
 
 
 _trace_state = _TraceState()
+EquationObserver = Callable[[JaxprEqn, list, list], None]
+
+
+@contextlib.contextmanager
+def observe_equations(observer: EquationObserver):
+    """Call ``observer(eqn, inputs, outputs)`` after every equation the interpreter evaluates.
+
+    For analysis tools (e.g. recording the scale of every intermediate value). Inputs and
+    outputs are ``ScaledArray`` or plain values; under ``jax.jit`` they are tracers, so run
+    the scalified function eagerly (``jax.disable_jit()``) to see concrete values.
+    """
+    _trace_state.observers.append(observer)
+    try:
+        yield
+    finally:
+        _trace_state.observers.remove(observer)
 
 
 def _is_tracing_user_code() -> bool:
@@ -209,6 +227,8 @@ def eval_scaled_jaxpr(
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
             outvals, out_scalars = _eval_equation(eqn, invals, in_scalars)
+        for observer in _trace_state.observers:
+            observer(eqn, invals, outvals)
         for v, val, s in zip(eqn.outvars, outvals, out_scalars):
             write(v, val, s)
     return [read(v) for v in jaxpr.outvars]

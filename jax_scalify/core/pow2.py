@@ -56,9 +56,36 @@ def _exp2_int(exponent: Array, dtype, npapi) -> Array:
 
 
 def _frexp(x: Array, npapi):
-    """``frexp`` in float32/64 (exact for every narrower float type)."""
+    """``frexp`` in float32/64 (exact for every narrower float type).
+
+    NumPy's ``frexp`` is exact. On the JAX path the exponent and the fraction are read from
+    the bits (``jnp.frexp`` returns ``(0.5, -149)`` for every float32 subnormal on CPU).
+    """
     work = _compute_dtype(x.dtype)
-    return npapi.frexp(npapi.asarray(x).astype(work))
+    x = npapi.asarray(x).astype(work)
+    if npapi is np:
+        return np.frexp(x)
+    return _frexp_from_bits(x)
+
+
+def _frexp_from_bits(x: Array):
+    info = np.finfo(x.dtype)
+    nbits, nmant = info.bits, info.nmant
+    int_t, uint_t = (jnp.int64, jnp.uint64) if nbits == 64 else (jnp.int32, jnp.uint32)
+    bias = info.maxexp - 1
+    bits = jax.lax.bitcast_convert_type(x, uint_t)
+    sign = bits & uint_t(1 << (nbits - 1))
+    magnitude = bits & uint_t((1 << (nbits - 1)) - 1)
+    field = (magnitude >> nmant).astype(int_t)
+    # Subnormals: normalise by shifting the leading one up to the implicit-bit position.
+    shift = jnp.where(field == 0, jax.lax.clz(magnitude).astype(int_t) - (nbits - 1 - nmant), 0)
+    shift = jnp.clip(shift, 0, nmant)
+    normalised = jnp.where(field == 0, magnitude << shift.astype(uint_t), magnitude)
+    exponent = jnp.where(field == 0, 1 - shift, field) - bias + 1  # frexp convention: [1/2, 1)
+    frac_bits = (normalised & uint_t((1 << nmant) - 1)) | uint_t((bias - 1) << nmant) | sign
+    frac = jax.lax.bitcast_convert_type(frac_bits, x.dtype)
+    special = (magnitude == 0) | (field == 2 * bias + 1)  # zero, inf, nan: frexp returns x, 0
+    return jnp.where(special, x, frac), jnp.where(special, 0, exponent).astype(jnp.int32)
 
 
 def _check_mode(mode: Pow2RoundMode) -> Pow2RoundMode:
@@ -107,7 +134,7 @@ def pow2_decompose(
         exponent = npapi.where(exact, exp - 1, exp)
     scale = _exp2_int(exponent, work, npapi)
     finite = npapi.isfinite(x)
-    scale = npapi.where(x == 0, npapi.asarray(0, work), scale)
+    scale = npapi.where(frac == 0, npapi.asarray(0, work), scale)  # not x == 0: CPU flushes subnormals
     scale = npapi.where(finite, scale, npapi.abs(x.astype(work)))
     mantissa = npapi.where(npapi.isinf(x), npapi.sign(x.astype(work)), mantissa)
     mantissa = npapi.where(npapi.isnan(x), npapi.asarray(np.nan, work), mantissa)
@@ -153,6 +180,6 @@ def pow2_exponent(x: Array) -> Array:
 
 def _apply_sign(scale, mantissa):
     npapi = _np_api(scale)
-    sign = npapi.sign(mantissa).astype(scale.dtype)
-    # sign(nan) is nan and sign(0) is 0: both already the right answer for the scale.
-    return npapi.where(npapi.isnan(mantissa) | (mantissa == 0), scale, scale * sign).astype(mantissa.dtype)
+    # A select and a negation, not a product: products flush subnormals on CPU.
+    signed = npapi.where(mantissa < 0, -scale, scale)
+    return signed.astype(mantissa.dtype)

@@ -99,3 +99,13 @@ def test_decompose_property(value):
     if x != 0:
         assert 1 <= abs(mantissa) < 2
         assert pow2_round_down(scale) == scale
+
+
+def test_decompose_subnormals_float32_jax_matches_numpy():
+    x = np.array([1e-44, 3e-39, 2.0**-149, 3 * 2.0**-140, -5e-42, 1.0, 0.0, np.inf], np.float32)
+    for mode in (Pow2RoundMode.DOWN, Pow2RoundMode.UP):
+        np_scale, np_mantissa = pow2_decompose(x, mode=mode)
+        jax_scale, jax_mantissa = pow2_decompose(jnp.asarray(x), mode=mode)
+        np.testing.assert_array_equal(np.asarray(jax_scale), np_scale)
+        np.testing.assert_array_equal(np.asarray(jax_mantissa), np_mantissa)
+    assert float(pow2_round_down(jnp.asarray(np.float32(3 * 2.0**-140)))) == 2.0**-139
