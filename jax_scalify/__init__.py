@@ -1,5 +1,7 @@
 """jax_scalify: end-to-end scale propagation for FP16 and FP8 training in JAX."""
 from . import core, lax, ops, quantization, tree
+from . import analysis
+from . import nn
 from .core import (
     Pow2RoundMode,
     ScaledArray,

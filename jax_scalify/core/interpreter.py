@@ -25,6 +25,7 @@ import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, jaxprs_in_params
 
+from . import known_pow2
 from .array import ScaledArray, is_floating_dtype, is_scaled_leaf
 from .promotion import AnyScaleArray, promote
 from .registry import ScaledPrimitiveType, find_registered_scaled_op, scalar_preserving_fn
@@ -103,7 +104,8 @@ def scalify(fun: Callable[..., Any]) -> Callable[..., Any]:
         dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
         closed_jaxpr, out_tree = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
         dynamic_leaves = [leaves[i] for i in dynamic]
-        outs = eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, dynamic_leaves)
+        with known_pow2.tracking():
+            outs = eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, dynamic_leaves)
         return jax.tree.unflatten(out_tree, [_as_jax_arrays(x) for x in outs])
 
     scalified._jsa_scalified = True

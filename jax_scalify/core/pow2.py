@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .config import Pow2RoundMode, get_scalify_config
 
@@ -143,12 +144,16 @@ def pow2_decompose(
 
 def pow2_round_down(x: Array) -> Array:
     """``sign(x) * 2**floor(log2|x|)``, exact; 0, ±inf and nan are returned unchanged."""
+    if _use_bits(x):
+        return _bits_round(x, up=False)
     scale, mantissa = pow2_decompose(x, mode=Pow2RoundMode.DOWN)
     return _apply_sign(scale, mantissa)
 
 
 def pow2_round_up(x: Array) -> Array:
     """``sign(x) * 2**ceil(log2|x|)``, exact; 0, ±inf and nan are returned unchanged."""
+    if _use_bits(x):
+        return _bits_round(x, up=True)
     scale, mantissa = pow2_decompose(x, mode=Pow2RoundMode.UP)
     return _apply_sign(scale, mantissa)
 
@@ -172,7 +177,12 @@ def get_mantissa(x: Array) -> Array:
 
 
 def pow2_exponent(x: Array) -> Array:
-    """``floor(log2|x|)`` as int32 (or int64 for float64) for finite non-zero ``x``, exactly."""
+    """``floor(log2|x|)`` as int32 (or int64 for float64) for finite non-zero ``x``, exactly.
+
+    0, ±inf and nan give -1 (``frexp``'s exponent 0, minus one).
+    """
+    if _use_bits(x):
+        return _bits_exponent(x)
     npapi = _np_api(x)
     _, exp = _frexp(npapi.asarray(x), npapi)
     return exp - 1
@@ -183,3 +193,72 @@ def _apply_sign(scale, mantissa):
     # A select and a negation, not a product: products flush subnormals on CPU.
     signed = npapi.where(mantissa < 0, -scale, scale)
     return signed.astype(mantissa.dtype)
+
+
+# --- lean bit-level paths for JAX values ------------------------------------------------------
+# The functions above, written with ``jax.numpy``, emit some sixty equations (a dozen of them
+# nested ``jit`` calls of ``jnp.where``/``jnp.clip``) per traced scalar. Scalify rounds a
+# traced scale in many rules, so the lean versions below, a dozen ``lax`` operations on the
+# bit pattern, are used for JAX arrays and tracers; they give the same values (NumPy inputs
+# keep the NumPy path, folded at trace time). Only integer operations touch the bits, so a
+# backend that flushes subnormal floats to zero cannot change the result.
+
+
+def _use_bits(x) -> bool:
+    return isinstance(x, (jax.Array, jax.core.Tracer)) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _bits_layout(dtype) -> tuple[np.dtype, np.dtype, int, int]:
+    """``(work float dtype, unsigned dtype of its bits, mantissa bits, exponent bias)``."""
+    work = _compute_dtype(dtype)
+    uint = np.dtype(np.uint64) if work.itemsize == 8 else np.dtype(np.uint32)
+    info = np.finfo(work)
+    return work, uint, int(info.nmant), int(info.maxexp) - 1
+
+
+def _bits_fields(x: Array):
+    """Bits of ``x`` in its work dtype, split into sign, magnitude and the magnitude's power of two.
+
+    ``pow_mag`` is the bit pattern of ``2**floor(log2|x|)``: the exponent field alone for
+    normal numbers, the highest set bit for subnormals (garbage for 0, handled by callers).
+    """
+    work, uint, nmant, _ = _bits_layout(x.dtype)
+    nbits = 8 * uint.itemsize
+    u = uint.type
+    bits = lax.bitcast_convert_type(lax.convert_element_type(x, work), uint)
+    sign_bit = u(1 << (nbits - 1))
+    sign = lax.bitwise_and(bits, sign_bit)
+    mag = lax.bitwise_and(bits, u((1 << (nbits - 1)) - 1))
+    exp_field = u(((1 << (nbits - 1)) - 1) ^ ((1 << nmant) - 1))
+    normal = lax.bitwise_and(mag, exp_field)
+    subnormal = lax.shift_right_logical(jnp.asarray(sign_bit), lax.clz(mag))
+    pow_mag = lax.select(lax.lt(mag, u(1 << nmant)), subnormal, normal)
+    return work, bits, sign, mag, pow_mag, exp_field
+
+
+def _bits_round(x: Array, up: bool) -> Array:
+    """``sign(x) * 2**floor(log2|x|)`` (``up``: ``ceil``) from the bit pattern, in ``x``'s dtype."""
+    work, bits, sign, mag, pow_mag, exp_field = _bits_fields(x)
+    u = bits.dtype.type
+    if up:  # the next power of two: exponent + 1 (normal), highest bit doubled (subnormal)
+        next_mag = lax.add(pow_mag, lax.min(pow_mag, u(1 << _bits_layout(x.dtype)[2])))
+        pow_mag = lax.select(lax.eq(mag, pow_mag), pow_mag, next_mag)
+    out = lax.bitwise_or(sign, pow_mag)
+    out = lax.select(lax.eq(mag, u(0)), mag, out)  # ±0 -> +0
+    out = lax.select(lax.gt(mag, exp_field), bits, out)  # nan stays nan
+    return lax.convert_element_type(lax.bitcast_convert_type(out, work), x.dtype)
+
+
+def _bits_exponent(x: Array) -> Array:
+    """``floor(log2|x|)`` from the bit pattern; -1 for 0, ±inf and nan (as ``frexp`` gives)."""
+    work, uint, nmant, bias = _bits_layout(x.dtype)
+    _, _, _, mag, _, exp_field = _bits_fields(x)
+    u = uint.type
+    int_t = np.dtype(np.int64) if uint.itemsize == 8 else np.dtype(np.int32)
+    nbits = 8 * uint.itemsize
+    normal = lax.sub(lax.convert_element_type(lax.shift_right_logical(mag, u(nmant)), int_t), int_t.type(bias))
+    top_bit = lax.sub(int_t.type(nbits - 1), lax.convert_element_type(lax.clz(mag), int_t))
+    subnormal = lax.sub(top_bit, int_t.type(bias + nmant - 1))
+    exponent = lax.select(lax.lt(mag, u(1 << nmant)), subnormal, normal)
+    special = lax.bitwise_or(lax.eq(mag, u(0)), lax.ge(mag, exp_field))
+    return lax.select(special, lax.full_like(exponent, -1), exponent)

@@ -143,3 +143,39 @@ from .control_flow import (
     scaled_sharding_constraint,
     scaled_while,
 )
+
+# Special functions, random sampling, bitcast, generic reduce; name, device_put, closed_call.
+from . import rules_misc, rules_special  # noqa: F401  (registers rules)
+from .rules_misc import scaled_closed_call, scaled_device_put, scaled_name
+from .rules_special import (
+    scaled_bessel_i0e,
+    scaled_bessel_i1e,
+    scaled_bitcast_convert_type,
+    scaled_igamma,
+    scaled_igamma_grad_a,
+    scaled_igammac,
+    scaled_polygamma,
+    scaled_random_gamma,
+    scaled_reduce,
+    scaled_regularized_incomplete_beta,
+    scaled_rng_uniform,
+    scaled_zeta,
+)
+
+# Matrix factorisations and solvers.
+from . import rules_linalg_solvers  # noqa: F401  (registers rules)
+from .rules_linalg_solvers import (
+    scaled_cholesky,
+    scaled_custom_linear_solve,
+    scaled_eig,
+    scaled_eigh,
+    scaled_hessenberg,
+    scaled_householder_product,
+    scaled_lu,
+    scaled_qr,
+    scaled_schur,
+    scaled_svd,
+    scaled_triangular_solve,
+    scaled_tridiagonal,
+    scaled_tridiagonal_solve,
+)

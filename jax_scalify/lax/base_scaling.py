@@ -1,13 +1,22 @@
-"""Small helpers shared by the scale rules: exact power-of-two rescaling and scale choice."""
+"""Small helpers shared by the scale rules: exact power-of-two rescaling and scale choice.
+
+Scale arithmetic is kept cheap at trace time: NumPy scales stay NumPy (folded in Python, no
+equation), traced scalar scales are combined with single ``lax`` operations (``jnp.where``
+and friends wrap a nested ``jit`` per call), and the helpers that build a scale from power-of-two
+scales mark it as such (:mod:`jax_scalify.core.known_pow2`) so that later rules can take exact
+shortcuts.
+"""
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ..core.array import ScaledArray
 from ..core.config import get_scalify_config
+from ..core.known_pow2 import all_known_pow2, is_known_pow2, mark_pow2
 from ..core.pow2 import pow2_round
 from ..core.promotion import AnyScaleArray, is_any_scale
 
@@ -20,10 +29,67 @@ def scale_dtype() -> np.dtype:
 
 
 def as_scale(s: Array) -> Array:
-    """``s`` in the configured scale dtype (NumPy stays NumPy, so constants fold at trace time)."""
+    """``s`` in the configured scale dtype (NumPy stays NumPy, so constants fold at trace time).
+
+    A JAX scale already of that dtype is returned as it is (same object, so its
+    known-power-of-two mark is kept).
+    """
     if isinstance(s, (np.ndarray, np.generic, float, int)):
         return np.asarray(s, scale_dtype())
+    if getattr(s, "dtype", None) == scale_dtype() and not getattr(s, "weak_type", False):
+        return s
     return jnp.asarray(s).astype(scale_dtype())
+
+
+def is_numpy(x: Any) -> bool:
+    """A trace-time constant NumPy value (or Python number)."""
+    return isinstance(x, (np.ndarray, np.generic, float, int))
+
+
+def select(pred: Array, on_true: Array, on_false: Array) -> Array:
+    """``where(pred, on_true, on_false)``: NumPy for NumPy inputs, else one ``select_n`` equation.
+
+    ``jnp.where`` wraps a nested ``jit`` per call; on scalar scales this is pure overhead.
+    """
+    if is_numpy(pred) and is_numpy(on_true) and is_numpy(on_false):
+        return np.where(pred, on_true, on_false)
+    dtype = jnp.result_type(on_true, on_false)
+    on_true, on_false = jnp.asarray(on_true, dtype), jnp.asarray(on_false, dtype)
+    pred = jnp.asarray(pred)
+    if not (np.shape(pred) == np.shape(on_true) == np.shape(on_false)):
+        pred, on_true, on_false = jnp.broadcast_arrays(pred, on_true, on_false)
+    return lax.select(pred, on_true, on_false)
+
+
+def scale_mul(*scales: Array) -> Array:
+    """Product of scales in the scale dtype; marked a power of two when every factor is one.
+
+    NumPy factors are multiplied first (in Python), so ``sa * sb * r`` with a NumPy ``r``
+    emits at most two equations.
+    """
+    scales = [as_scale(s) for s in scales]
+    known = all_known_pow2(*scales)
+    consts = [s for s in scales if is_numpy(s)]
+    traced = [s for s in scales if not is_numpy(s)]
+    const = np.asarray(np.prod(np.stack(np.broadcast_arrays(*consts)), axis=0), scale_dtype()) if consts else None
+    if not traced:
+        return as_scale(const)
+    out = traced[0]
+    for s in traced[1:]:
+        out = out * s
+    if const is not None and not (np.ndim(const) == 0 and const == 1):
+        out = out * const
+    out = as_scale(out)
+    return mark_pow2(out) if known else out
+
+
+def scale_div(a: Array, b: Array) -> Array:
+    """``a / b`` in the scale dtype; marked a power of two when both are."""
+    a, b = as_scale(a), as_scale(b)
+    if is_numpy(b) and np.ndim(b) == 0 and b == 1:
+        return a
+    out = as_scale(a / b)
+    return mark_pow2(out) if all_known_pow2(a, b) else out
 
 
 def round_scale(s: Array) -> Array:
@@ -63,18 +129,30 @@ def rescale(x: ScaledArray, new_scale: Array) -> ScaledArray:
         return ScaledArray(x.data, new_scale)
     if x.scale is new_scale:
         return x
-    return ScaledArray(mul_data(x.data, as_scale(x.scale) / new_scale), new_scale)
+    scale = as_scale(x.scale)
+    if scale is new_scale:
+        return ScaledArray(x.data, new_scale)
+    return ScaledArray(mul_data(x.data, scale / new_scale), new_scale)
 
 
 def largest_scale(operands: Sequence[ScaledArray]) -> Array:
-    """The largest scale among the operands that have one (any-scale operands skipped)."""
-    scales = [as_scale(x.scale) for x in operands if not is_any_scale(x)]
+    """The largest scale among the operands that have one (any-scale operands skipped).
+
+    Operands sharing one scale object count once (no ``max(s, s)`` equation); the result is
+    marked a power of two when every scale is one.
+    """
+    scales = []
+    for x in operands:
+        if not is_any_scale(x):
+            s = as_scale(x.scale)
+            if not any(s is t for t in scales):
+                scales.append(s)
     if not scales:
         return np.ones((), scale_dtype())
     out = scales[0]
     for s in scales[1:]:
-        out = jnp.maximum(out, s) if not (isinstance(out, np.ndarray) and isinstance(s, np.ndarray)) else np.maximum(out, s)
-    return out
+        out = np.maximum(out, s) if is_numpy(out) and is_numpy(s) else jnp.maximum(out, s)
+    return mark_pow2(out) if all_known_pow2(*scales) else out
 
 
 def align_to_largest(operands: Sequence[ScaledArray]) -> tuple[list[ScaledArray], Array]:
@@ -94,11 +172,17 @@ __all__ = [
     "align_to_largest",
     "as_scale",
     "is_any_scale",
+    "is_known_pow2",
+    "is_numpy",
+    "mark_pow2",
     "largest_scale",
     "mul_data",
     "rescale",
     "round_scale",
+    "scale_div",
     "scale_dtype",
+    "scale_mul",
+    "select",
     "sqrt_size_pow2",
     "to_float32_value",
 ]

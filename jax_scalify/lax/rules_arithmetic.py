@@ -22,10 +22,13 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend.core import Primitive
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
+from ..core.config import Pow2RoundMode, get_scalify_config
+from ..core.known_pow2 import all_known_pow2, is_known_pow2, mark_pow2
 from ..core.registry import register_scalar_preserving, register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
     align_to_largest,
@@ -35,6 +38,9 @@ from .base_scaling import (
     mul_data,
     rescale,
     round_scale,
+    scale_div,
+    scale_mul,
+    select,
     to_float32_value,
 )
 
@@ -83,17 +89,34 @@ def _sum_scale(a: ScaledArray, b: ScaledArray) -> Array:
 
     Computed as ``hi * sqrt(1 + (lo / hi)**2)`` so that large scales do not overflow; a zero
     result (both scales 0, i.e. both operands asserted zero) becomes 1.
+
+    For scales known to be powers of two (see :mod:`jax_scalify.core.known_pow2`) and the
+    default rounding down, this is exactly ``hi`` (``1 <= sqrt(1 + (lo/hi)**2) <= sqrt(2)``),
+    with the same 1 for a zero or nan result and for two infinite scales: three cheap
+    equations instead of the general formula.
     """
     if is_any_scale(a) and is_any_scale(b):
         return as_scale(1)
     if is_any_scale(a) or is_any_scale(b):
         return as_scale((b if is_any_scale(a) else a).scale)
     sa, sb = as_scale(a.scale), as_scale(b.scale)
-    npapi = _npapi(sa, sb)
-    hi, lo = npapi.maximum(sa, sb), npapi.minimum(sa, sb)
-    ratio = npapi.where(hi > 0, lo / npapi.where(hi > 0, hi, 1), 0)
-    scale = round_scale(hi * npapi.sqrt(1 + ratio * ratio))
-    return as_scale(npapi.where(scale > 0, scale, 1))
+    if _is_numpy(sa) and _is_numpy(sb):
+        hi, lo = np.maximum(sa, sb), np.minimum(sa, sb)
+        ratio = np.where(hi > 0, lo / np.where(hi > 0, hi, 1), 0)
+        scale = round_scale(hi * np.sqrt(1 + ratio * ratio))
+        return as_scale(np.where(scale > 0, scale, 1))
+    if sa is sb:  # one scale object: hi = lo = s, and pow2(sqrt(2) * s) is s when rounding down
+        if get_scalify_config().rounding_mode == Pow2RoundMode.DOWN and is_known_pow2(sa):
+            return sa
+    hi, lo = jnp.maximum(sa, sb), jnp.minimum(sa, sb)
+    one = as_scale(1)
+    if get_scalify_config().rounding_mode == Pow2RoundMode.DOWN and all_known_pow2(sa, sb):
+        return mark_pow2(select((hi > 0) & (lo != np.inf), hi, one))
+    positive = hi > 0
+    ratio = select(positive, lo / select(positive, hi, one), as_scale(0))
+    scale = round_scale(hi * lax.sqrt(1 + ratio * ratio))
+    scale = as_scale(select(scale > 0, scale, one))
+    return scale if get_scalify_config().rounding_mode == Pow2RoundMode.NONE else mark_pow2(scale)
 
 
 def _scaled_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, params: dict) -> ScaledArray:
@@ -153,13 +176,13 @@ def scaled_mul(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     A broadcast scalar constant was promoted to a mantissa in [1, 2) and a power-of-two
     scale, so its exponent folds into the output scale.
     """
-    return ScaledArray(_bind(P.mul_p, a, b, **params), as_scale(as_scale(a.scale) * as_scale(b.scale)))
+    return ScaledArray(_bind(P.mul_p, a, b, **params), scale_mul(a.scale, b.scale))
 
 
 @register_scaled_lax_op
 def scaled_div(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Scale sa / sb, data da / db."""
-    return ScaledArray(_bind(P.div_p, a, b, **params), as_scale(as_scale(a.scale) / as_scale(b.scale)))
+    return ScaledArray(_bind(P.div_p, a, b, **params), scale_div(a.scale, b.scale))
 
 
 # --- value-based binary maps -----------------------------------------------------------------
@@ -293,7 +316,8 @@ def scaled_reduce_precision(x: ScaledArray, **params) -> ScaledArray:
 def scaled_stop_gradient(x: ScaledArray, **params) -> ScaledArray:
     """Scale kept; gradient stopped on both the data and the scale."""
     scale = as_scale(x.scale)
-    scale = scale if _is_numpy(scale) else jax.lax.stop_gradient(scale)
+    if not _is_numpy(scale):
+        scale = mark_pow2(jax.lax.stop_gradient(scale)) if is_known_pow2(scale) else jax.lax.stop_gradient(scale)
     return ScaledArray(_bind(P.stop_gradient_p, x, **params), scale)
 
 

@@ -8,6 +8,7 @@ jaxpr).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -15,6 +16,8 @@ from jax.extend.core import ClosedJaxpr
 
 from ..core.array import ScaledArray
 from ..core.interpreter import concrete_scalar, eval_scaled_jaxpr
+from ..core.known_pow2 import is_known_pow2, mark_pow2
+from ..core.promotion import AnyScaleArray
 from ..core.registry import lax_primitive, register_scaled_op
 
 jit_p = lax_primitive("jit")
@@ -26,25 +29,63 @@ def _eval_closed(closed: ClosedJaxpr, args) -> list:
     return eval_scaled_jaxpr(closed.jaxpr, closed.consts, args)
 
 
-@functools.lru_cache(maxsize=1024)
-def _jitted_body(jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, constants: tuple):
-    """One ``jax.jit`` per sub-jaxpr and set of constant arguments (JAX caches compilations).
+class _CallSignature(NamedTuple):
+    """What a jitted body is specialised on, besides the sub-jaxpr and the argument types.
 
-    ``constants`` holds ``(position, dtype, value)`` of the arguments known at trace time;
-    they are baked into the body instead of passed, so the sub-jaxpr still sees them as
-    constants (a literal ``0.0`` passed to ``jnp.where``'s jitted body stays any-scale).
+    - ``constants``: ``(position, dtype, value)`` of the arguments known at trace time; they
+      are baked into the body instead of passed, so the sub-jaxpr still sees them as constants
+      (a literal ``0.0`` passed to ``jnp.where``'s jitted body stays any-scale);
+    - ``const_scales``: ``(position, dtype, shape, values)`` of the ``ScaledArray`` arguments
+      whose scale is a trace-time constant: only their data is passed, the scale is baked in,
+      so scale arithmetic on it still folds in Python inside the body;
+    - ``pow2_scales``: positions of the ``ScaledArray`` arguments whose traced scale is known
+      to be a power of two (see :mod:`jax_scalify.core.known_pow2`), marked again inside.
     """
-    values = {i: np.asarray(v, dtype) for i, dtype, v in constants}
+
+    constants: tuple
+    const_scales: tuple
+    pow2_scales: tuple
+
+
+@functools.lru_cache(maxsize=1024)
+def _jitted_body(jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, signature: _CallSignature):
+    """One ``jax.jit`` per sub-jaxpr and :class:`_CallSignature` (JAX caches compilations).
+
+    The returned function has an ``out_pow2`` dict: for each type signature of the dynamic
+    arguments it was traced for, per output, whether its scale is known to be a power of two.
+    """
+    values = {i: np.asarray(v, dtype) for i, dtype, v in signature.constants}
+    scales = {i: np.asarray(v, dtype).reshape(shape) for i, dtype, shape, v in signature.const_scales}
+    pow2 = set(signature.pow2_scales)
+    n_args = len(jaxpr.jaxpr.invars)
 
     def body(*dynamic_args):
         dynamic = iter(dynamic_args)
-        n_args = len(jaxpr.jaxpr.invars)
-        args = [values[i] if i in values else next(dynamic) for i in range(n_args)]
+        args = []
+        for i in range(n_args):
+            if i in values:
+                args.append(values[i])
+            elif i in scales:
+                args.append(ScaledArray(next(dynamic), scales[i]))
+            else:
+                arg = next(dynamic)
+                if i in pow2:
+                    mark_pow2(arg.scale)
+                args.append(arg)
         scalars = [values.get(i) for i in range(n_args)]
-        return eval_scaled_jaxpr(jaxpr.jaxpr, jaxpr.consts, args, scalars)
+        outs = eval_scaled_jaxpr(jaxpr.jaxpr, jaxpr.consts, args, scalars)
+        jitted.out_pow2[_types(dynamic_args)] = [isinstance(o, ScaledArray) and is_known_pow2(o.scale) for o in outs]
+        return outs
 
     body.__name__ = name
-    return jax.jit(body, inline=inline, keep_unused=keep_unused)
+    jitted = jax.jit(body, inline=inline, keep_unused=keep_unused)
+    jitted.out_pow2 = {}
+    return jitted
+
+
+def _types(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(jax.typeof(x) for x in leaves)
 
 
 def _constant_value(arg) -> np.ndarray | None:
@@ -56,13 +97,39 @@ def _constant_value(arg) -> np.ndarray | None:
     return concrete_scalar(arg) if np.ndim(arg) == 0 else None
 
 
+def _is_const_scale(arg) -> bool:
+    """A ``ScaledArray`` with a small trace-time constant scale (its data need not be constant)."""
+    return (
+        isinstance(arg, ScaledArray)
+        and not isinstance(arg, AnyScaleArray)
+        and isinstance(arg.scale, (np.ndarray, np.generic))
+        and np.size(arg.scale) <= 16
+    )
+
+
 @register_scaled_op(jit_p)
 def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, **params):
     """Sub-jaxpr scalified and re-emitted as a jitted call with the same name and options."""
-    known = [(i, _constant_value(a)) for i, a in enumerate(args)]
-    constants = tuple((i, v.dtype.str, v.item()) for i, v in known if v is not None)
-    dynamic = [a for (i, v), a in zip(known, args) if v is None]
-    return _jitted_body(jaxpr, name, inline, keep_unused, constants)(*dynamic)
+    constants, const_scales, pow2_scales, dynamic = [], [], [], []
+    for i, arg in enumerate(args):
+        value = _constant_value(arg)
+        if value is not None:
+            constants.append((i, value.dtype.str, value.item()))
+        elif _is_const_scale(arg):
+            scale = np.asarray(arg.scale)
+            const_scales.append((i, scale.dtype.str, scale.shape, tuple(scale.ravel().tolist())))
+            dynamic.append(arg.data)
+        else:
+            if isinstance(arg, ScaledArray) and is_known_pow2(arg.scale):
+                pow2_scales.append(i)
+            dynamic.append(arg)
+    signature = _CallSignature(tuple(constants), tuple(const_scales), tuple(pow2_scales))
+    body = _jitted_body(jaxpr, name, inline, keep_unused, signature)
+    outs = body(*dynamic)
+    for out, known in zip(outs, body.out_pow2.get(_types(tuple(dynamic)), ())):
+        if known:
+            mark_pow2(out.scale)
+    return outs
 
 
 @register_scaled_op(custom_jvp_call_p)

@@ -38,6 +38,7 @@ from .base_scaling import (
     align_to_largest,
     as_scale,
     mul_data,
+    scale_mul,
     sqrt_size_pow2,
     to_float32_value,
 )
@@ -68,7 +69,7 @@ def _unit_scaled_sum(scale: Array, num_terms: int, reduce: Callable[..., Array],
         out = reduce(*[mul_data(d, inv_r) for d in datas])
     else:
         out = mul_data(reduce(*datas), inv_r)
-    return ScaledArray(out, as_scale(scale) * r)
+    return ScaledArray(out, scale_mul(scale, r))
 
 
 def _keep_scale(prim: Primitive, x: ScaledArray, **params) -> ScaledArray:

@@ -29,7 +29,8 @@ from ..core.array import ScaledArray
 from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.pow2 import pow2_exponent, pow2_round_down
 from ..core.registry import register_scalar_preserving, register_scaled_lax_op, register_scaled_op
-from .base_scaling import as_scale, mul_data, to_float32_value
+from ..core.known_pow2 import is_known_pow2, mark_pow2
+from .base_scaling import as_scale, mul_data, scale_mul, select, to_float32_value
 from .rules_arithmetic import _is_numpy, _npapi, _value_output, _widen  # shared private helpers
 
 Array = Any
@@ -44,15 +45,16 @@ def _unit_scale(scale: Array) -> Array:
 def _scale_capped_at_one(scale: Array) -> Array:
     """``min(s, 1)``; a zero or non-finite scale gives 1."""
     s = as_scale(scale)
-    npapi = _npapi(s)
-    return as_scale(npapi.where((s > 0) & (s < 1), s, 1))
+    out = as_scale(select((s > 0) & (s < 1), s, as_scale(1)))
+    return mark_pow2(out) if is_known_pow2(s) else out
 
 
 def _scale_floored_at_one(scale: Array) -> Array:
     """``max(s, 1)``; a non-finite scale gives 1."""
     s = as_scale(scale)
-    npapi = _npapi(s)
-    return as_scale(npapi.where(npapi.isfinite(s) & (s > 1), s, 1))
+    finite = np.isfinite(s) if _is_numpy(s) else jax.lax.is_finite(s)
+    out = as_scale(select(finite & (s > 1), s, as_scale(1)))
+    return mark_pow2(out) if is_known_pow2(s) else out
 
 
 def _on_value(prim: Primitive, x: ScaledArray, params: dict, out_scale: ScaleMap) -> ScaledArray:
@@ -94,14 +96,41 @@ def _root(x: ScaledArray, n: int, data_fn: Callable[[Array], Array], inverse: bo
     root = npapi.sqrt if n == 2 else npapi.cbrt
     if get_scalify_config().rounding_mode == Pow2RoundMode.NONE:
         data, out_scale = data_fn(x.data), root(scale)
-    else:
+    elif npapi is np:
         t = npapi.remainder(-pow2_exponent(scale), n)
         factor = _pow2_small(t, npapi)
         data = data_fn(mul_data(x.data, 1 / factor))
         out_scale = _snap_pow2(root(scale * factor.astype(scale.dtype)))
+    else:
+        data, out_scale = _traced_root(x, scale, n, data_fn)
     if inverse:
         out_scale = 1 / out_scale
-    return ScaledArray(data, as_scale(out_scale))
+    out_scale = as_scale(out_scale)
+    known = get_scalify_config().rounding_mode != Pow2RoundMode.NONE and is_known_pow2(scale)
+    return ScaledArray(data, mark_pow2(out_scale) if known else out_scale)
+
+
+def _traced_root(x: ScaledArray, scale: Array, n: int, data_fn: Callable[[Array], Array]) -> tuple[Array, Array]:
+    """The rounding branch of :func:`_root` for a traced scale, in single ``lax`` operations.
+
+    Same values as the NumPy branch: ``t = -e mod n`` from the exponent's bits, ``2**-t`` applied
+    to the data as an exact constant, and for a square root of a scale known to be a power of
+    two the (then exact) root is not snapped again.
+    """
+    e = pow2_exponent(scale)
+    t = jax.lax.rem(-e, e.dtype.type(n))
+    t = jax.lax.select(t < 0, t + e.dtype.type(n), t)
+    factors, inverses = (1.0, 2.0, 4.0)[:n], (1.0, 0.5, 0.25)[:n]
+    factor, inverse = (as_scale(factors[-1]), as_scale(inverses[-1]))
+    for k in range(n - 2, -1, -1):
+        factor = select(t == k, as_scale(factors[k]), factor)
+        inverse = select(t == k, as_scale(inverses[k]), inverse)
+    data = data_fn(mul_data(x.data, inverse))
+    root = jax.lax.sqrt if n == 2 else jax.lax.cbrt
+    out_scale = root(scale * factor)
+    if not (n == 2 and is_known_pow2(scale)):
+        out_scale = _snap_pow2(out_scale)
+    return data, out_scale
 
 
 # --- sign changes ----------------------------------------------------------------------------
@@ -149,14 +178,14 @@ def scaled_integer_pow(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     """Scale s**y (exact for a power of two), data da**y."""
     scale = as_scale(x.scale)
     out_scale = np.power(np.float64(scale), y) if _is_numpy(scale) else jax.lax.integer_pow(scale, y)
-    return ScaledArray(P.integer_pow_p.bind(x.data, y=y, **params), as_scale(out_scale))
+    out_scale = as_scale(out_scale)
+    return ScaledArray(P.integer_pow_p.bind(x.data, y=y, **params), mark_pow2(out_scale) if is_known_pow2(scale) else out_scale)
 
 
 @register_scaled_lax_op
 def scaled_square(x: ScaledArray, **params) -> ScaledArray:
     """Scale s**2 (exact for a power of two), data da**2."""
-    scale = as_scale(x.scale)
-    return ScaledArray(P.square_p.bind(x.data, **params), as_scale(scale * scale))
+    return ScaledArray(P.square_p.bind(x.data, **params), scale_mul(x.scale, x.scale))
 
 
 @register_scaled_lax_op
@@ -188,8 +217,15 @@ def scaled_log(x: ScaledArray, **params) -> ScaledArray:
     """
     data = _widen(x.data)
     md, ed = jnp.frexp(data)
-    ms, es = jnp.frexp(jnp.asarray(x.scale).astype(data.dtype))
-    m, e = jnp.frexp(md * ms)
+    if _is_numpy(x.scale) and np.ndim(x.scale) == 0:
+        ms, es = np.frexp(np.asarray(x.scale, data.dtype))
+        es = np.asarray(es, np.int32)
+    else:
+        ms, es = jnp.frexp(jnp.asarray(x.scale).astype(data.dtype))
+    if _is_numpy(ms) and ms == 0.5:  # a constant power-of-two scale: frexp(md / 2) is (md, -1) exactly
+        m, e = md, np.int32(-1)
+    else:
+        m, e = jnp.frexp(md * ms)
     small = jnp.abs(m) < np.sqrt(0.5)
     m = jnp.where(small, m * 2, m)
     exponent = (ed + es + e - small.astype(e.dtype)).astype(data.dtype)

@@ -1,0 +1,86 @@
+"""Scale rules of the primitives that pass values through: ``name``, ``device_put``, ``closed_call``.
+
+- ``name`` (``jax.ad_checkpoint.checkpoint_name``): the data carries the name, the scale is
+  unchanged; a traced scale is named too, so a checkpoint policy that saves the name saves
+  the whole value (a scale folded at trace time is a constant and needs no saving).
+- ``device_put`` (``jax.device_put``, also emitted by ``jax.scipy.sparse.linalg`` and
+  ``jnp.array``): the data goes where the plain value would go, with the same copy
+  semantics; a traced scale goes along, replicated over a ``NamedSharding``'s mesh (a
+  scalar cannot be partitioned). Scales folded at trace time stay constants.
+- ``closed_call``: JAX emits it when partial evaluation splits a jaxpr, e.g. in the backward
+  pass of a ``jax.checkpoint`` holding a ``scan``; the sub-jaxpr is evaluated inline by the
+  scalify interpreter (a closed call has no semantics of its own to keep). ``call`` (the
+  open-jaxpr variant) is not emitted by ``jax.make_jaxpr`` in JAX 0.10 and has no rule.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr
+from jax.extend.core import primitives as P
+
+from ..core.array import ScaledArray
+from ..core.interpreter import unpromoted_inputs
+from ..core.registry import register_scaled_lax_op
+from .control_flow import _eval_closed  # shared private helper: sub-jaxpr with known constants
+from .rules_layout import with_scalar_scale
+
+Array = Any
+
+
+def _is_traced_scale(scale: Any) -> bool:
+    return not isinstance(scale, (np.ndarray, np.generic, float, int))
+
+
+def _scale_destination(dst: Any) -> Any:
+    """Where a scalar scale goes when its data goes to ``dst``: replicated over a named mesh.
+
+    A ``Format`` (layout and sharding) contributes its sharding only: a data layout does not
+    apply to a scalar.
+    """
+    if isinstance(dst, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(dst.mesh, jax.sharding.PartitionSpec(), memory_kind=dst.memory_kind)
+    if not isinstance(dst, jax.sharding.Sharding) and hasattr(dst, "layout") and hasattr(dst, "sharding"):
+        return _scale_destination(dst.sharding)
+    return dst
+
+
+@register_scaled_lax_op
+def scaled_name(x: ScaledArray, **params) -> ScaledArray:
+    """Scale unchanged: the data carries the checkpoint name (a traced scale too)."""
+    scale = P.name_p.bind(x.scale, **params) if _is_traced_scale(x.scale) else x.scale
+    return ScaledArray(P.name_p.bind(x.data, **params), scale)
+
+
+@register_scaled_lax_op
+def scaled_device_put(
+    *xs: Any, devices: Sequence[Any], srcs: Sequence[Any], copy_semantics: Sequence[Any], **params
+) -> list:
+    """Scale unchanged: data put with the equation's params, a traced scale along (replicated)."""
+    xs = [with_scalar_scale(x) if isinstance(x, ScaledArray) else x for x in xs]
+    entries = [
+        (x.data if isinstance(x, ScaledArray) else x, dst, src, copy)
+        for x, dst, src, copy in zip(xs, devices, srcs, copy_semantics)
+    ]
+    traced = [i for i, x in enumerate(xs) if isinstance(x, ScaledArray) and _is_traced_scale(x.scale)]
+    for i in traced:
+        entries.append((xs[i].scale, _scale_destination(devices[i]), _scale_destination(srcs[i]), copy_semantics[i]))
+    values, dsts, srcs_all, copies = zip(*entries)
+    outs = P.device_put_p.bind(*values, devices=dsts, srcs=srcs_all, copy_semantics=copies, **params)
+    scales = dict(zip(traced, outs[len(xs):]))
+    return [
+        ScaledArray(outs[i], scales.get(i, x.scale)) if isinstance(x, ScaledArray) else outs[i]
+        for i, x in enumerate(xs)
+    ]
+
+
+@register_scaled_lax_op
+@unpromoted_inputs
+def scaled_closed_call(*args: Any, call_jaxpr: ClosedJaxpr, **params) -> list:
+    """Sub-jaxpr evaluated inline by the scalify interpreter (unscaled inputs stay unscaled)."""
+    return _eval_closed(call_jaxpr, args)
+
+
+__all__ = ["scaled_closed_call", "scaled_device_put", "scaled_name"]
