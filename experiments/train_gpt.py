@@ -363,13 +363,15 @@ def _smooth(values: list, window: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def plot_curves(results: list[dict], path: Path, title: str) -> None:
-    """Training (moving average) and validation loss curves of every configuration."""
+    """Three panels: training loss (moving average), validation loss, and the validation
+    loss relative to the FP32 run (in %, if FP32 ran)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_train, ax_val, ax_rel) = plt.subplots(1, 3, figsize=(16, 4.5))
+    ref = next((dict(r["val_loss_curve"]) for r in results if r["name"] == "fp32"), {})
     for r in results:
         style = "-" if r["scalify"] else "--"
         label = f"{r['paper_config']} {r['label']}".strip()
@@ -378,19 +380,42 @@ def plot_curves(results: list[dict], path: Path, title: str) -> None:
         vs = [(s, v) for s, v in r["val_loss_curve"] if v is not None]
         if vs:
             ax_val.plot(*zip(*vs), style + "o", label=label, markersize=3, linewidth=1.2)
+        rel = [(s, 100 * (v - ref[s]) / ref[s]) for s, v in vs if ref.get(s)]
+        if rel:
+            ax_rel.plot(*zip(*rel), style + "o", label=label, markersize=3, linewidth=1.2)
     finals = [r["final_val_loss"] for r in results if r["final_val_loss"] is not None]
     for ax, name in ((ax_train, "training loss (20-step moving average)"), (ax_val, "validation loss")):
-        ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats / char)")
         ax.set_title(name)
-        ax.grid(alpha=0.3)
         if finals:
-            ax.set_ylim(min(finals) - 0.15, 4.4)
+            ax.set_ylim(min(finals) - 0.1, max(3.0, max(finals) + 0.1))
+    ax_rel.axhline(0, color="k", linewidth=0.8)
+    for band in (-2, 2):
+        ax_rel.axhline(band, color="grey", linewidth=0.8, linestyle=":")
+    ax_rel.set_ylabel("validation loss vs FP32 (%)")
+    ax_rel.set_title("difference to FP32 (dotted: +-2%)")
+    for ax in (ax_train, ax_val, ax_rel):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
     ax_val.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def replot(out: Path) -> None:
+    """Redraw ``gpt_loss_curves.png`` from ``gpt_results.json`` in ``out``."""
+    with open(out / "gpt_results.json") as f:
+        saved = json.load(f)
+    plot_curves(saved["results"], out / "gpt_loss_curves.png", _plot_title(saved["meta"]))
+
+
+def _plot_title(meta: dict) -> str:
+    return (
+        f"char GPT {meta['model']['layers']}x{meta['model']['width']} ({meta['num_params']:,} params), "
+        f"{meta['steps']} steps x {meta['batch']}x{meta['model']['seq']} tokens; solid: scalify, dashed: unscaled"
+    )
 
 
 def write_outputs(results: list[dict], meta: dict, out: Path) -> None:
@@ -399,11 +424,7 @@ def write_outputs(results: list[dict], meta: dict, out: Path) -> None:
     add_comparisons(results)
     with open(out / "gpt_results.json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
-    title = (
-        f"char GPT {meta['model']['layers']}x{meta['model']['width']} ({meta['num_params']:,} params), "
-        f"{meta['steps']} steps x {meta['batch']}x{meta['model']['seq']} tokens; solid: scalify, dashed: unscaled"
-    )
-    plot_curves(results, out / "gpt_loss_curves.png", title)
+    plot_curves(results, out / "gpt_loss_curves.png", _plot_title(meta))
 
 
 # --- CLI --------------------------------------------------------------------------------------

@@ -295,6 +295,8 @@ def concrete_scalar(value) -> np.ndarray | None:
         return np.asarray(value)
     if isinstance(value, jax.core.Tracer) or not hasattr(value, "dtype") or np.size(value) != 1:
         return None
+    if jnp.issubdtype(value.dtype, jax.dtypes.extended):  # PRNG keys
+        return None
     return np.asarray(value).reshape(())
 
 

@@ -291,6 +291,24 @@ def scaled_ge(a: ScaledArray, b: ScaledArray, **params) -> Array:
     return _compare(P.ge_p, a, b, params)
 
 
+@register_scaled_lax_op
+def scaled_eq_to(a: ScaledArray, b: ScaledArray, **params) -> Array:
+    """Plain bool: total-order eq of the data aligned to the largest scale (float32 for narrow data)."""
+    return _compare(P.eq_to_p, a, b, params)
+
+
+@register_scaled_lax_op
+def scaled_lt_to(a: ScaledArray, b: ScaledArray, **params) -> Array:
+    """Plain bool: total-order lt of the data aligned to the largest scale (float32 for narrow data)."""
+    return _compare(P.lt_to_p, a, b, params)
+
+
+@register_scaled_lax_op
+def scaled_le_to(a: ScaledArray, b: ScaledArray, **params) -> Array:
+    """Plain bool: total-order le of the data aligned to the largest scale (float32 for narrow data)."""
+    return _compare(P.le_to_p, a, b, params)
+
+
 # --- scale-keeping maps ----------------------------------------------------------------------
 @register_scaled_lax_op
 def scaled_convert_element_type(x: ScaledArray, *, new_dtype: Any, **params) -> Any:

@@ -31,6 +31,7 @@ from .base_scaling import align_to_largest, as_scale, is_any_scale, largest_scal
 Array = Any
 
 # `split` is a primitive since JAX 0.4.36 but `jax.extend` does not export it.
+tile_p: Primitive = primitive_of(lambda x: jnp.tile(x, 2), np.zeros((2,), np.float32))
 split_p: Primitive = primitive_of(lambda x: jnp.split(x, 2), np.zeros((2,), np.float32))
 
 
@@ -109,6 +110,12 @@ def scaled_slice(operand: ScaledArray, **params) -> ScaledArray:
 def scaled_rev(operand: ScaledArray, **params) -> ScaledArray:
     """Scale unchanged (reversal applied to the data)."""
     return bind_keep_scale(P.rev_p, operand, **params)
+
+
+@register_scaled_op(tile_p)
+def scaled_tile(operand: ScaledArray, **params) -> ScaledArray:
+    """Scale unchanged (tiling applied to the data)."""
+    return bind_keep_scale(tile_p, operand, **params)
 
 
 @register_scaled_op(split_p)

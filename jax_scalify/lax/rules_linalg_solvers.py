@@ -24,7 +24,8 @@ part next to an implicit unit diagonal, which is not a scale change: it works on
 ``custom_linear_solve`` (``jnp.linalg.solve``, ``inv``, ``jax.scipy.sparse.linalg.cg``) is
 evaluated through its ``solve`` sub-jaxpr with the scalify interpreter, exactly as JAX's
 own implementation evaluates it; derivatives are explicit in the jaxpr when ``grad`` is
-taken inside ``scalify``. ``eig`` has complex outputs, which cannot be scaled: they are
+taken inside ``scalify`` (with ``grad`` outside, the matrix derivative of ``jnp.linalg.solve``
+is lost: see the rule). ``eig`` has complex outputs, which cannot be scaled: they are
 plain (eigenvalues of the data times ``s_a``).
 """
 from __future__ import annotations
@@ -120,7 +121,14 @@ def scaled_tridiagonal_solve(dl: ScaledArray, d: ScaledArray, du: ScaledArray, b
 @register_scaled_op(P.linear_solve_p)
 @unpromoted_inputs
 def scaled_custom_linear_solve(*args: Any, const_lengths: Any, jaxprs: Any, **params) -> list:
-    """The solve sub-jaxpr scalified on its constants and the right-hand side (as JAX evaluates it)."""
+    """The solve sub-jaxpr scalified on its constants and the right-hand side (as JAX evaluates it).
+
+    The implicit derivative of ``custom_linear_solve`` is not re-emitted: take ``grad`` inside
+    ``scalify`` (the supported pattern, where the derivative is already explicit in the
+    jaxpr). Differentiating a scalified function from outside differentiates the solve
+    jaxpr itself, and ``jnp.linalg.solve`` computes its LU under ``stop_gradient``, so the
+    derivative with respect to the matrix would be lost.
+    """
     offset = const_lengths.matvec + const_lengths.vecmat
     solve_consts = args[offset : offset + const_lengths.solve]
     rhs = args[sum(const_lengths) :]

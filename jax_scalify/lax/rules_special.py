@@ -50,8 +50,7 @@ def _plain(x: Any) -> Array:
 # Primitives that only select or compare values, or compute on non-floating ones: a
 # computation made of these commutes with one positive scale applied to every float.
 _ORDER_PRIMITIVES = frozenset(
-    p
-    for p in (P.max_p, P.min_p, P.select_n_p, P.eq_p, P.ne_p, P.lt_p, P.le_p, P.gt_p, P.ge_p)
+    (P.max_p, P.min_p, P.select_n_p, P.eq_p, P.ne_p, P.lt_p, P.le_p, P.gt_p, P.ge_p)
     + (P.eq_to_p, P.lt_to_p, P.le_to_p, P.and_p, P.or_p, P.not_p, P.xor_p)
 )
 

@@ -57,6 +57,9 @@ INVARIANCE_CASES = [
     Case("reduce_precision", lambda x: lax.reduce_precision(x, 8, 7), [normal(*SHAPE)], grad=True),
     Case("stop_gradient", lambda x: x * lax.stop_gradient(x), [normal(*SHAPE)], grad=True),
     Case("copy", lambda x: jnp.copy(x) * 2.0, [normal(*SHAPE)], grad=True),
+    Case("searchsorted_total_order", lambda a, v: jnp.searchsorted(jnp.sort(a), v), [normal(8), normal(5)]),
+    Case("eq_to", lambda a, b: jsa.core.registry.lax_primitive("eq_to").bind(a, b), [normal(4), normal(4)]),
+    Case("lt_to", lambda a, b: jsa.core.registry.lax_primitive("lt_to").bind(a, b), [normal(4), normal(4)]),
 ]
 
 
@@ -297,3 +300,4 @@ def test_scaled_array_outside_scalify_is_rejected():
     x = jsa.ScaledArray(jnp.ones(3), jnp.float32(2.0))
     with pytest.raises(TypeError, match="scalify"):
         jnp.maximum(x, 0.0)
+

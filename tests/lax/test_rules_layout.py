@@ -34,6 +34,7 @@ INVARIANCE_CASES = [
     Case("pad_constant", lambda x: jnp.pad(x, 1, constant_values=3.0), [normal(4, 5)], grad=True),
     Case("pad_value_operand", lambda x, v: lax.pad(x, v, _PAD_CONFIG), [normal(4, 5), normal()], grad=True),
     Case("pad_edge", lambda x: jnp.pad(x, 2, mode="edge"), [normal(3, 4)]),
+    Case("tile", lambda x: jnp.tile(x, (2, 3)), [normal(2, 3)], grad=True),
 ]
 
 
@@ -134,3 +135,4 @@ def test_rules_registered_with_summaries():
     rules = {prim.name: entry for prim, entry in jsa.core.registered_rules().items()}
     for name in ["broadcast_in_dim", "reshape", "squeeze", "transpose", "slice", "rev", "split", "concatenate", "pad"]:
         assert name in rules and rules[name].summary, name
+

@@ -92,11 +92,6 @@ def _cg(a, b):
     return jax.scipy.sparse.linalg.cg(a, b, tol=1e-6)[0]
 
 
-def _schur_form(a):
-    t, z = jsl.schur(a)
-    return t, z
-
-
 INVARIANCE_CASES = [
     # custom_linear_solve, lu, triangular_solve (unit and non-unit diagonal, transposed).
     Case("solve", jnp.linalg.solve, [general(), normal(N, 3)], grad=True, rtol=1e-4, atol=1e-5),
@@ -129,7 +124,7 @@ INVARIANCE_CASES = [
     Case("svd_values", lambda a: jnp.linalg.svd(a, compute_uv=False), [normal(5, 3)], rtol=1e-4, atol=1e-5),
     Case("eigh", _flat(jnp.linalg.eigh), [distinct_spectrum()], grad=True, rtol=1e-3, atol=1e-4),
     Case("eig", _eigvals_moduli, [general()], rtol=1e-4, atol=1e-5),
-    Case("schur", _schur_form, [distinct_spectrum()], rtol=1e-4, atol=1e-5),
+    Case("schur", jsl.schur, [distinct_spectrum()], rtol=1e-4, atol=1e-5),
     Case("hessenberg", lambda a: jsl.hessenberg(a, calc_q=True), [general()], rtol=1e-4, atol=1e-5),
     Case("tridiagonal", lax.linalg.tridiagonal, [spd()], rtol=1e-4, atol=1e-5),
     Case("householder_product", _householder_q, [normal(N, 3), diagonal(1.0, 2.0, 3)], rtol=1e-4, atol=1e-5),

@@ -52,10 +52,6 @@ def _scaled(data, exponent: int, dtype=jnp.float32) -> jsa.ScaledArray:
     return jsa.ScaledArray(jnp.asarray(data, dtype), jnp.float32(2.0**exponent))
 
 
-def _primitive_names(fn, *args) -> set:
-    return {eqn.primitive.name for eqn in jax.make_jaxpr(fn)(*args).eqns}
-
-
 def test_closed_call_is_emitted_by_the_case():
     assert "closed_call" in str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(_remat_scan(x))))(np.ones((4, 3), np.float32)))
 
