@@ -2,7 +2,9 @@
 
 Run: ``python -m benchmarks.overhead`` (``--quick`` for a short run). Prints, for each
 benchmark, the median runtime of both steps (interleaved A/B timing in one process), the
-median trace+lower+compile time of both, and their ratios.
+median trace+lower+compile time of both (wall clock, and CPU time of the process, which other
+processes on the machine disturb less), and their ratios. ``--assume-pow2`` adds rows with
+``ScalifyConfig(assume_pow2_input_scales=True)`` (suffix ``+pow2``).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import optax
 
 import jax_scalify as jsa
 
-from .common import compile_seconds, interleaved_compile_medians, interleaved_medians
+from .common import compile_times, interleaved_compile_medians, interleaved_medians
 
 
 # --- MLP 784-1024-1024-1024-10, batch 256, SGD -------------------------------------------------
@@ -115,30 +117,40 @@ def gpt_inputs(dtype):
 
 
 # --- running ---------------------------------------------------------------------------------
-def compare(name, step, inputs, rounds, compile_rounds):
+def compare(name, step, inputs, rounds, compile_rounds, config=None):
+    """Runtime and compile time of ``step`` plain and scalified (under ``config`` if given)."""
+    config = config or jsa.ScalifyConfig()
     plain = jax.jit(step)
-    scaled_step = jax.jit(jsa.scalify(step))
-    scaled_inputs = jsa.as_scaled_array(inputs)
+    with config:
+        scaled_step = jax.jit(jsa.scalify(step))
+        scaled_inputs = jsa.as_scaled_array(inputs)
+        block_result = scaled_step(*scaled_inputs)  # trace under the config
+    del block_result
     times = interleaved_medians({"plain": lambda: plain(*inputs), "scalify": lambda: scaled_step(*scaled_inputs)}, rounds)
+
+    def scalify_compile():
+        with config:
+            return compile_times(jsa.scalify(step), *scaled_inputs)
+
     compiles = interleaved_compile_medians(
-        {
-            "plain": lambda: compile_seconds(step, *inputs),
-            "scalify": lambda: compile_seconds(jsa.scalify(step), *scaled_inputs),
-        },
-        compile_rounds,
+        {"plain": lambda: compile_times(step, *inputs), "scalify": scalify_compile}, compile_rounds
     )
     row = {
         "benchmark": name,
         "plain_ms": 1e3 * times["plain"],
         "scalify_ms": 1e3 * times["scalify"],
         "runtime_ratio": times["scalify"] / times["plain"],
-        "plain_compile_s": compiles["plain"],
-        "scalify_compile_s": compiles["scalify"],
-        "compile_ratio": compiles["scalify"] / compiles["plain"],
+        "plain_compile_s": compiles["plain"][0],
+        "scalify_compile_s": compiles["scalify"][0],
+        "compile_ratio": compiles["scalify"][0] / compiles["plain"][0],
+        "plain_compile_cpu_s": compiles["plain"][1],
+        "scalify_compile_cpu_s": compiles["scalify"][1],
+        "compile_cpu_ratio": compiles["scalify"][1] / compiles["plain"][1],
     }
     print(
-        f"{name:<14}{row['plain_ms']:>10.2f}{row['scalify_ms']:>12.2f}{row['runtime_ratio']:>9.3f}"
-        f"{row['plain_compile_s']:>11.2f}{row['scalify_compile_s']:>13.2f}{row['compile_ratio']:>9.2f}",
+        f"{name:<16}{row['plain_ms']:>10.2f}{row['scalify_ms']:>12.2f}{row['runtime_ratio']:>9.3f}"
+        f"{row['plain_compile_s']:>11.2f}{row['scalify_compile_s']:>13.2f}{row['compile_ratio']:>9.2f}"
+        f"{row['plain_compile_cpu_s']:>10.2f}{row['scalify_compile_cpu_s']:>12.2f}{row['compile_cpu_ratio']:>9.2f}",
         flush=True,
     )
     return row
@@ -149,6 +161,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--only", help="comma-separated subset of benchmark names")
+    parser.add_argument("--assume-pow2", action="store_true", help="also run with assume_pow2_input_scales=True")
     args = parser.parse_args(argv)
     rounds, compile_rounds = (5, 2) if args.quick else (30, 5)
     benches = {
@@ -160,8 +173,18 @@ def main(argv=None):
     if args.only:
         benches = {k: v for k, v in benches.items() if k in args.only.split(",")}
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {rounds} interleaved rounds")
-    print(f"{'benchmark':<14}{'plain ms':>10}{'scalify ms':>12}{'ratio':>9}{'plain cmp':>11}{'scalify cmp':>13}{'ratio':>9}")
-    rows = [compare(name, step, make(), rounds, compile_rounds) for name, (step, make) in benches.items()]
+    print(
+        f"{'benchmark':<16}{'plain ms':>10}{'scalify ms':>12}{'ratio':>9}{'plain cmp':>11}{'scalify cmp':>13}"
+        f"{'ratio':>9}{'plain cpu':>10}{'scalify cpu':>12}{'ratio':>9}"
+    )
+    configs = [("", None)]
+    if args.assume_pow2:
+        configs.append(("+pow2", jsa.ScalifyConfig(assume_pow2_input_scales=True)))
+    rows = [
+        compare(name + suffix, step, make(), rounds, compile_rounds, config)
+        for name, (step, make) in benches.items()
+        for suffix, config in configs
+    ]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

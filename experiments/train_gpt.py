@@ -4,7 +4,7 @@ Reproduces the configurations of table 3 of "Scalify" (Balança et al., 2024) ne
 usual alternatives:
 
     python -m experiments.train_gpt --data ../shared/data/tinyshakespeare.txt \
-        --configs all --steps 600 --out docs/experiments
+        --configs all --steps 500 --eval-every 50 --out docs/experiments
 
 For each configuration (``--configs all`` or a comma-separated list of the names in
 ``CONFIGS``) it trains from the same initial weights on the same batches, evaluates the
@@ -68,10 +68,16 @@ class RunConfig:
             "activations": _name(p.compute),
             "master_weights": _name(self.master),
             "weight_grads": _name(self.master),
-            "optimizer_state": _name(self.opt_state),
+            "optimizer_state": _name(self.opt_state) + ("" if self.opt_state == F32 else " storage, float32 arithmetic"),
             "scales": "float32 power-of-two" if self.scalify else "none",
             "dynamic_rescale": ", ".join(
-                s for s, on in (("LayerNorm input grads", p.ln_grad_rescale), ("weight grads", self.grad_rescale)) if on
+                s
+                for s, on in (
+                    ("LayerNorm input grads", p.ln_grad_rescale),
+                    ("weight grads", self.grad_rescale),
+                    ("Adam moments", self.scalify and self.opt_state != F32),
+                )
+                if on
             )
             or "none",
             "loss_scaling": "dynamic (2^15 start, x0.5 on overflow, x2 every 200 good steps)" if self.loss_scale else "none",
@@ -427,12 +433,41 @@ def write_outputs(results: list[dict], meta: dict, out: Path) -> None:
     plot_curves(results, out / "gpt_loss_curves.png", _plot_title(meta))
 
 
+# --- interleaved timing -------------------------------------------------------------------------
+def time_configs(runs: list[RunConfig], cfg: GPTConfig, args, params32, batches, rounds: int, steps: int) -> dict:
+    """Median seconds per step of each configuration, measured in interleaved rounds.
+
+    Every configuration is compiled and warmed up first; then each round runs ``steps``
+    steps of every configuration in turn, so a change in machine load affects all of them
+    alike. Returns ``{name: {"median_s", "min_s", "compile_s"}}``.
+    """
+    states, updates, compile_s, times = {}, {}, {}, {r.name: [] for r in runs}
+    for r in runs:
+        opt = make_optimizer(args.steps, args.lr, args.warmup, r.opt_state)
+        updates[r.name], _ = compile_fns(r, cfg, opt)
+        states[r.name] = init_state(r, params32, opt)
+        t0 = time.perf_counter()
+        loss, states[r.name] = updates[r.name](states[r.name], jnp.asarray(batches[0]))
+        float(loss)
+        compile_s[r.name] = time.perf_counter() - t0
+    for k in range(rounds):
+        for r in runs:
+            for i in range(steps):
+                t0 = time.perf_counter()
+                loss, states[r.name] = updates[r.name](states[r.name], jnp.asarray(batches[(k * steps + i) % len(batches)]))
+                float(loss)
+                times[r.name].append(time.perf_counter() - t0)
+    return {
+        n: {"median_s": float(np.median(t)), "min_s": float(np.min(t)), "compile_s": compile_s[n]} for n, t in times.items()
+    }
+
+
 # --- CLI --------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True, help="UTF-8 text file (e.g. ../shared/data/tinyshakespeare.txt)")
     p.add_argument("--configs", default="all", help=f"'all' or comma-separated among {','.join(CONFIGS)}")
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=500)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--width", type=int, default=128)
@@ -440,13 +475,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps)")
-    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nan-patience", type=int, default=20, help="stop a configuration after this many non-finite losses in a row")
     p.add_argument("--max-chars", type=int, default=None, help="use only the first characters of --data")
     p.add_argument("--out", default="results/gpt", help="output folder for gpt_results.json and gpt_loss_curves.png")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--timing", type=int, default=0, metavar="ROUNDS",
+                   help="only time the step: ROUNDS interleaved rounds of 5 steps per configuration (writes gpt_timing.json)")
     p.add_argument("--fast-compile", action="store_true", help="fewer XLA optimisations: quicker to start, slower steps (smoke tests)")
     args = p.parse_args(argv)
     if args.warmup is None:
@@ -487,6 +524,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         "backend": jax.default_backend(),
         "machine": f"{platform.processor() or platform.machine()}, {jax.local_device_count()} device(s)",
     }
+    if args.timing:
+        return _run_timing(runs, cfg, args, params32, train_batches, meta)
     print(f"{cfg} ({cfg.num_params():,} params), {args.steps} steps of {args.batch}x{args.seq} tokens", flush=True)
     results = []
     for r in runs:
@@ -500,6 +539,18 @@ def run(args: argparse.Namespace) -> list[dict]:
         write_outputs(results, meta, Path(args.out))
     print(results_table(results), flush=True)
     return results
+
+
+def _run_timing(runs, cfg, args, params32, batches, meta) -> list[dict]:
+    timing = time_configs(runs, cfg, args, params32, batches, args.timing, steps=5)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "gpt_timing.json", "w") as f:
+        json.dump({"meta": {**meta, "rounds": args.timing, "steps_per_round": 5}, "timing": timing}, f, indent=1)
+    print(f"{'config':<23}{'median s/step':>14}{'min s/step':>12}{'compile s':>11}")
+    for name, t in timing.items():
+        print(f"{name:<23}{t['median_s']:>14.3f}{t['min_s']:>12.3f}{t['compile_s']:>11.1f}")
+    return [{"name": n, **t} for n, t in timing.items()]
 
 
 def main(argv=None) -> None:

@@ -6,8 +6,9 @@ scalar constant. When such a value meets a scaled one, it is promoted:
 - a constant 0 or ±inf becomes an :class:`AnyScaleArray`: its value is the same at every
   scale, so rules let it adopt the scale the other operands want (``max(x, 0)`` keeps
   ``x``'s scale);
-- any other broadcast scalar constant is split exactly into a mantissa in ``[1, 2)`` and a
-  power-of-two scale (``x * 3.0`` folds ``2**1`` into the scale);
+- any other broadcast scalar constant is split exactly into a power-of-two scale (the
+  nearest to it) and a mantissa in ``[sqrt(1/2), sqrt(2))`` (``x * 8.0`` folds ``2**3``
+  into the scale, ``x * 0.999`` keeps ``x``'s scale);
 - every other floating array gets scale 1.
 """
 from __future__ import annotations
@@ -46,6 +47,18 @@ def promote(value: Any, scalar: np.ndarray | None) -> ScaledArray:
         return AnyScaleArray(value, np.ones((), scale_dtype))
     if np.isnan(scalar):
         return ScaledArray(value, np.ones((), scale_dtype))
-    scale, mantissa = pow2_decompose(np.asarray(scalar, np.float64), scale_dtype=scale_dtype)
+    scale, mantissa = nearest_pow2_split(np.asarray(scalar, np.float64))
     data = np.broadcast_to(mantissa.astype(value.dtype), np.shape(value))
-    return ScaledArray(data, scale)
+    return ScaledArray(data, scale.astype(scale_dtype))
+
+
+def nearest_pow2_split(scalar: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(scale, mantissa)``, scale the power of two nearest to ``|scalar|`` (in log2).
+
+    The mantissa lies in ``[sqrt(1/2), sqrt(2))``, so a constant near 1 (a decay rate of
+    0.999, say) keeps the scale of what it multiplies instead of halving it every time.
+    """
+    scale, mantissa = pow2_decompose(scalar)
+    if abs(mantissa) > np.sqrt(2):
+        scale, mantissa = scale * 2, mantissa / 2
+    return scale, mantissa

@@ -179,3 +179,18 @@ from .rules_linalg_solvers import (
     scaled_tridiagonal,
     scaled_tridiagonal_solve,
 )
+
+# SPMD: shard_map and the collectives.
+from . import rules_collectives  # noqa: F401  (registers rules)
+from .rules_collectives import (
+    scaled_all_gather,
+    scaled_all_to_all,
+    scaled_pmax,
+    scaled_pmin,
+    scaled_ppermute,
+    scaled_psum,
+    scaled_psum_invariant,
+    scaled_pvary,
+    scaled_reduce_scatter,
+    scaled_shard_map,
+)

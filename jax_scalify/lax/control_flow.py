@@ -22,6 +22,12 @@ ends after at most one retry per carry. Plain values that must be scaled are pro
 with scale 1 (the value is unchanged), and carried scales are scalars of the configured
 scale dtype: a carry's scale is an ordinary loop variable and may change from one
 iteration to the next.
+
+Known powers of two (:mod:`jax_scalify.core.known_pow2`) cross the loop boundary the same
+way: a carry whose initial scale is known to be a power of two is assumed to stay one in the
+body; if the body's output scale is not known to be one, the assumption is dropped for that
+carry and the body traced again (the assumed set only shrinks). Scales of the loop's outputs
+(carries, stacked per-iteration scales, branch outputs) are then marked as the body proved.
 """
 from __future__ import annotations
 
@@ -35,8 +41,9 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from ..core.array import ScaledArray
 from ..core.interpreter import concrete_scalar, eval_scaled_jaxpr, unpromoted_inputs
+from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..core.registry import ScaledPrimitiveType, lax_primitive, primitive_of, register_scaled_op
-from .base_scaling import as_scale, mul_data, rescale, scale_dtype
+from .base_scaling import as_scale, mul_data, rescale, scale_dtype, select
 
 Array = Any
 
@@ -115,10 +122,14 @@ def _check_structure(owner: object, outs: Sequence[Any], scaled: tuple[bool, ...
 
 
 def _fixed_point(run: Callable[[tuple[bool, ...], object], Any], scaled: Sequence[bool]):
-    """``run(scaled, owner)`` retried with a grown ``scaled`` until its trace succeeds."""
+    """``run(scaled, owner)`` retried with a grown ``scaled`` until its trace succeeds.
+
+    ``run`` may also retry with the same ``scaled`` after dropping a power-of-two assumption
+    (:class:`_Pow2Assumption`); each set changes monotonically, so this ends.
+    """
     owner = object()
     scaled = tuple(scaled)
-    for _ in range(len(scaled) + 1):
+    for _ in range(2 * len(scaled) + 1):
         try:
             return scaled, run(scaled, owner)
         except _ScaledStructureGrew as err:
@@ -126,6 +137,30 @@ def _fixed_point(run: Callable[[tuple[bool, ...], object], Any], scaled: Sequenc
                 raise
             scaled = err.scaled
     raise AssertionError("unreachable: the scaled set grows at every retry")
+
+
+class _Pow2Assumption:
+    """Which loop carries are assumed to keep a power-of-two scale in the body (it only shrinks).
+
+    Initially the carries whose entry scale is known to be a power of two, and the plain
+    ones (if they become scaled they enter with scale 1).
+    """
+
+    def __init__(self, init: Sequence[Any]):
+        self.flags = [not _is_scaled(c) or (np.ndim(c.scale) == 0 and is_known_pow2(as_scale(c.scale))) for c in init]
+
+    def mark(self, carry: Sequence[Any]) -> None:
+        """Mark the scales of the body's input carries (or of the loop's outputs) as assumed."""
+        for c, flag in zip(carry, self.flags):
+            if flag and _is_scaled(c):
+                mark_pow2(c.scale)
+
+    def check(self, owner: object, carry_out: Sequence[Any], scaled: tuple[bool, ...]) -> None:
+        """Drop the assumption for output carries whose scale is not known a power of two, and retry."""
+        kept = [f and (not s or (_is_scaled(o) and is_known_pow2(o.scale))) for f, s, o in zip(self.flags, scaled, carry_out)]
+        if kept != self.flags:
+            self.flags = kept
+            raise _ScaledStructureGrew(owner, scaled)
 
 
 def _known_scalars(args: Sequence[Any]) -> list:
@@ -151,14 +186,49 @@ def _rebalance_stacked(data: Array, scales: Array) -> ScaledArray:
     data dtype's range below the largest slice (then they underflow, as in any tensor
     with one scale). A largest scale of 0 (all slices asserted zero) keeps the data.
     """
+    known = is_known_pow2(scales)
     scales = jnp.asarray(scales)
     if data.shape[0] == 0:
         return ScaledArray(data, jnp.ones((), scales.dtype))
     top = jnp.max(scales)
-    ratio = jnp.where(top == 0, 1, scales.astype(jnp.float32) / jnp.where(top == 0, 1, top).astype(jnp.float32))
+    if known:
+        mark_pow2(top)
+    is_zero = top == 0
+    safe_top = select(is_zero, jnp.ones((), top.dtype), top).astype(jnp.float32)
+    ratio = select(is_zero, jnp.ones(scales.shape, jnp.float32), scales.astype(jnp.float32) / safe_top)
     ratio = ratio.reshape((ratio.shape[0],) + (1,) * (data.ndim - ratio.ndim) + ratio.shape[1:])
     return ScaledArray(mul_data(data, ratio), top)
 
+
+class _StackedScaledArray(ScaledArray):
+    """Scan outputs with one scale per iteration: rebalanced to one scalar scale, per-slice form kept.
+
+    To every rule it is the ``ScaledArray`` of :func:`_rebalance_stacked` (``data``, scalar
+    ``scale``); rules build plain ``ScaledArray`` outputs, so the extra form does not
+    propagate. A later ``scan`` over it (the backward scan over the forward scan's
+    residuals) scans ``slice_data`` and ``slice_scales`` instead, so each iteration sees
+    the slice with the scale it was produced with, as an unrolled loop would. Under
+    ``jax.jit`` whichever form is unused is removed as dead code.
+    """
+
+    __slots__ = ("slice_data", "slice_scales")
+
+    def __init__(self, data, scale, slice_data, slice_scales):
+        super().__init__(data, scale)
+        self.slice_data = slice_data
+        self.slice_scales = slice_scales
+
+    def tree_flatten(self):
+        return (self.data, self.scale, self.slice_data, self.slice_scales), None
+
+    @classmethod
+    def tree_unflatten(cls, aux_data, children):
+        obj = object.__new__(cls)
+        obj.data, obj.scale, obj.slice_data, obj.slice_scales = children
+        return obj
+
+
+jax.tree_util.register_pytree_node_class(_StackedScaledArray)
 
 _PLAIN, _CONST_SCALE, _STACKED_SCALE = "plain", "const", "stacked"
 
@@ -189,8 +259,9 @@ def _merge_ys(flat: Sequence[Any], kinds: Sequence[tuple[str, Any]]) -> list:
         elif kind == _CONST_SCALE:
             out.append(ScaledArray(next(it), scale))
         else:
-            data = next(it)
-            out.append(_rebalance_stacked(data, next(it)))
+            data, scales = next(it), next(it)
+            merged = _rebalance_stacked(data, scales)
+            out.append(_StackedScaledArray(merged.data, merged.scale, data, scales))
     return out
 
 
@@ -221,32 +292,68 @@ def scaled_scan(
     scale has to be known before the loop) and gives the result the scale that keeps its
     largest slice near unit size.
 
+    Such rebalanced ys also keep their per-iteration form (:class:`_StackedScaledArray`):
+    a later scan of the same length over them (the backward scan of ``grad`` over the
+    forward scan's residuals) scans the original slices with their own scales, so each
+    iteration sees what an unrolled loop would. Without this, a residual whose scale varies
+    across iterations reached the backward body with its slices shrunk by up to the whole
+    spread, and the cotangents inherited that spread as a scale offset that no rule
+    removes (gradients of a 2-layer scanned transformer came out with scales 2**33 too large
+    and data near float32's underflow).
+
     ``reverse``, ``length``, ``unroll`` and the other options of the scan are kept.
     """
     consts, init, xs = args[:num_consts], args[num_consts : num_consts + num_carry], args[num_consts + num_carry :]
-    xs = [_with_scalar_scale(x) if _is_scaled(x) else x for x in xs]
-    xs_data = [x.data if _is_scaled(x) else x for x in xs]
-    xs_scales = [x.scale if _is_scaled(x) else None for x in xs]
+    # Per xs: plain (data, None), scaled (data, scalar scale held constant), or stacked ys of
+    # an earlier scan (slices and their scales, both scanned).
+    per_slice = [isinstance(x, _StackedScaledArray) and np.shape(x.slice_scales) == (length,) for x in xs]
+    xs = [x if p or not _is_scaled(x) else _with_scalar_scale(x) for x, p in zip(xs, per_slice)]
+    xs_data = [x.slice_data if p else x.data if _is_scaled(x) else x for x, p in zip(xs, per_slice)]
+    xs_scales = [x.slice_scales if p else x.scale if _is_scaled(x) else None for x, p in zip(xs, per_slice)]
+    scanned_scales = [s for s, p in zip(xs_scales, per_slice) if p]
+    scanned_pow2 = [is_known_pow2(s) for s, p in zip(xs_scales, per_slice) if p]
     ys_kinds: list = []
+    ys_pow2: list = []
+    assumed = _Pow2Assumption(init)
     options = {k: v for k, v in params.items() if k == "_split_transpose"}
 
     def run(scaled: tuple[bool, ...], owner: object):
-        def body(carry_flat, x_flat):
+        def body(carry_flat, x_in):
+            x_flat, scale_slices = x_in
             carry = _unflatten(carry_flat, scaled)
-            x_vals = [x if s is None else ScaledArray(x, s) for x, s in zip(x_flat, xs_scales)]
+            assumed.mark(carry)
+            for scale, known in zip(scale_slices, scanned_pow2):
+                if known:
+                    mark_pow2(scale)
+            scale_slices = iter(scale_slices)
+            scales = [next(scale_slices) if p else s for s, p in zip(xs_scales, per_slice)]
+            x_vals = [x if s is None else ScaledArray(x, s) for x, s in zip(x_flat, scales)]
             outs = _eval_closed(jaxpr, [*consts, *carry, *x_vals])
             carry_out, ys = outs[:num_carry], outs[num_carry:]
             _check_structure(owner, carry_out, scaled)
+            assumed.check(owner, carry_out, scaled)
             ys_flat, kinds = _split_ys(ys)
             ys_kinds[:] = kinds
+            ys_pow2[:] = [_is_scaled(y) and is_known_pow2(y.scale) for y in ys]
             return _flatten(carry_out, scaled), ys_flat
 
-        return jax.lax.scan(
-            body, _flatten(init, scaled), xs_data, length=length, reverse=reverse, unroll=unroll, **options
-        )
+        xs_in, init_flat = (xs_data, scanned_scales), _flatten(init, scaled)
+        return jax.lax.scan(body, init_flat, xs_in, length=length, reverse=reverse, unroll=unroll, **options)
 
     scaled, (carry_flat, ys_flat) = _fixed_point(run, [_is_scaled(c) for c in init])
-    return [*_unflatten(carry_flat, scaled), *_merge_ys(ys_flat, ys_kinds)]
+    carry = _unflatten(carry_flat, scaled)
+    assumed.mark(carry)
+    _mark_stacked_scales(ys_flat, ys_kinds, ys_pow2)
+    return [*carry, *_merge_ys(ys_flat, ys_kinds)]
+
+
+def _mark_stacked_scales(flat: Sequence[Any], kinds: Sequence[tuple[str, Any]], known: Sequence[bool]) -> None:
+    """Mark the stacked per-iteration scales of the ys whose body scale was a known power of two."""
+    position = 0
+    for (kind, _), is_known in zip(kinds, known):
+        if kind == _STACKED_SCALE and is_known:
+            mark_pow2(flat[position + 1])
+        position += 2 if kind == _STACKED_SCALE else 1
 
 
 # --- while -----------------------------------------------------------------------------------
@@ -258,21 +365,29 @@ def scaled_while(
     """Condition and body scalified; carries scaled if scaled on entry or in the body, scales traced."""
     cond_consts, body_consts = args[:cond_nconsts], args[cond_nconsts : cond_nconsts + body_nconsts]
     init = args[cond_nconsts + body_nconsts :]
+    assumed = _Pow2Assumption(init)
 
     def run(scaled: tuple[bool, ...], owner: object):
         def cond_fun(carry_flat):
-            (pred,) = _eval_closed(cond_jaxpr, [*cond_consts, *_unflatten(carry_flat, scaled)])
+            carry = _unflatten(carry_flat, scaled)
+            assumed.mark(carry)
+            (pred,) = _eval_closed(cond_jaxpr, [*cond_consts, *carry])
             return _plain(pred)
 
         def body_fun(carry_flat):
-            outs = _eval_closed(body_jaxpr, [*body_consts, *_unflatten(carry_flat, scaled)])
+            carry = _unflatten(carry_flat, scaled)
+            assumed.mark(carry)
+            outs = _eval_closed(body_jaxpr, [*body_consts, *carry])
             _check_structure(owner, outs, scaled)
+            assumed.check(owner, outs, scaled)
             return _flatten(outs, scaled)
 
         return jax.lax.while_loop(cond_fun, body_fun, _flatten(init, scaled))
 
     scaled, carry_flat = _fixed_point(run, [_is_scaled(c) for c in init])
-    return _unflatten(carry_flat, scaled)
+    carry = _unflatten(carry_flat, scaled)
+    assumed.mark(carry)
+    return carry
 
 
 # --- cond / switch ---------------------------------------------------------------------------
@@ -282,12 +397,17 @@ def scaled_cond(index: Array, *operands: Any, branches: Sequence[ClosedJaxpr], *
     """Branches scalified; an output scaled in one branch is scaled in all; the taken branch's scale."""
     num_outs = len(branches[0].out_avals)
 
+    known = [True] * num_outs  # per output: a known power-of-two scale in every branch
+
     def run(scaled: tuple[bool, ...], owner: object):
+        known[:] = [True] * num_outs
+
         def branch_fun(branch: ClosedJaxpr):
             # Operands are closed over (not passed) so that trace-time constants stay constants.
             def fun():
                 outs = _eval_closed(branch, operands)
                 _check_structure(owner, outs, scaled)
+                known[:] = [k and (not _is_scaled(o) or is_known_pow2(o.scale)) for k, o in zip(known, outs)]
                 return _flatten(outs, scaled)
 
             return fun
@@ -295,7 +415,11 @@ def scaled_cond(index: Array, *operands: Any, branches: Sequence[ClosedJaxpr], *
         return jax.lax.switch(_plain(index), [branch_fun(b) for b in branches])
 
     scaled, outs_flat = _fixed_point(run, [False] * num_outs)
-    return _unflatten(outs_flat, scaled)
+    outs = _unflatten(outs_flat, scaled)
+    for out, is_known in zip(outs, known):
+        if is_known and _is_scaled(out):
+            mark_pow2(out.scale)
+    return outs
 
 
 # --- checkpoint / remat ----------------------------------------------------------------------

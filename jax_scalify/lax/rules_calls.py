@@ -4,6 +4,16 @@ Their sub-jaxprs are evaluated by the scalify interpreter. A jitted call stays a
 (same name and inlining options); custom derivative wrappers are evaluated on their primal
 computation (with ``grad`` inside ``scalify`` the derivatives are already explicit in the
 jaxpr).
+
+The rules take their inputs unpromoted (as the control-flow rules do): an unscaled argument
+stays unscaled inside the sub-jaxpr until one of its equations meets a scaled value, so
+evaluating a call gives what evaluating its body inline would. (Promoting every plain
+argument to scale 1 at the call boundary turned plain arithmetic of the body into scaled
+arithmetic: e.g. ``jsa.ops.dynamic_rescale_l2`` under ``grad`` in a ``scan`` body, where JAX
+hoists the fallback constants of its ``jnp.where``s into traced arguments of the jitted
+helper, then computed its clipping bounds 2**-126 and 2**127 as scaled values whose
+alignment to a common scale underflowed, and returned a factor 0: inf data, NaN
+gradients.)
 """
 from __future__ import annotations
 
@@ -15,7 +25,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr
 
 from ..core.array import ScaledArray
-from ..core.interpreter import concrete_scalar, eval_scaled_jaxpr
+from ..core.interpreter import concrete_scalar, eval_scaled_jaxpr, unpromoted_inputs
 from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..core.promotion import AnyScaleArray
 from ..core.registry import lax_primitive, register_scaled_op
@@ -26,7 +36,9 @@ custom_vjp_call_p = lax_primitive("custom_vjp_call")
 
 
 def _eval_closed(closed: ClosedJaxpr, args) -> list:
-    return eval_scaled_jaxpr(closed.jaxpr, closed.consts, args)
+    """The interpreter on a sub-jaxpr; constant plain arguments keep their constant-scalar status."""
+    scalars = [None if isinstance(a, ScaledArray) else concrete_scalar(a) for a in args]
+    return eval_scaled_jaxpr(closed.jaxpr, closed.consts, args, scalars)
 
 
 class _CallSignature(NamedTuple):
@@ -108,6 +120,7 @@ def _is_const_scale(arg) -> bool:
 
 
 @register_scaled_op(jit_p)
+@unpromoted_inputs
 def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, **params):
     """Sub-jaxpr scalified and re-emitted as a jitted call with the same name and options."""
     constants, const_scales, pow2_scales, dynamic = [], [], [], []
@@ -133,12 +146,14 @@ def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: 
 
 
 @register_scaled_op(custom_jvp_call_p)
+@unpromoted_inputs
 def scaled_custom_jvp_call(*args, call_jaxpr: ClosedJaxpr, **params):
     """Primal computation scalified (derivatives are taken inside scalify, before this)."""
     return _eval_closed(call_jaxpr, args)
 
 
 @register_scaled_op(custom_vjp_call_p)
+@unpromoted_inputs
 def scaled_custom_vjp_call(*args, call_jaxpr: ClosedJaxpr, **params):
     """Primal computation scalified (derivatives are taken inside scalify, before this)."""
     return _eval_closed(call_jaxpr, args)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.array import ScaledArray
+from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..lax.base_scaling import as_scale
 
 Array = Any
@@ -65,6 +66,22 @@ def scalar_scale(name: str, x: ScaledArray) -> Array:
 def scaled_output(data: Array, dtype: Any, scale: Array) -> ScaledArray:
     """``ScaledArray(data.astype(dtype), scale)`` with the scale in the configured scale dtype."""
     return ScaledArray(jnp.asarray(data).astype(dtype), as_scale(scale))
+
+
+def pow2_scale(scale: Array) -> Array:
+    """``scale`` in the scale dtype, recorded as an exact power of two (or 0/inf/nan).
+
+    Only for scales that are powers of two by construction: rules downstream then use their
+    cheap exact shortcuts (see :mod:`jax_scalify.core.known_pow2`).
+    """
+    return mark_pow2(as_scale(scale))
+
+
+def max_with_one(scale: Array) -> Array:
+    """``max(scale, 1)`` in the scale dtype; a power of two when ``scale`` is a known one."""
+    scale = as_scale(scale)
+    out = as_scale(np.maximum(scale, 1) if isinstance(scale, np.ndarray) else jnp.maximum(scale, 1))
+    return mark_pow2(out) if is_known_pow2(scale) else out
 
 
 def largest_pow2(dtype: Any) -> float:

@@ -30,7 +30,7 @@ from jax import lax
 
 from ..core.array import ScaledArray
 from ..core.custom_scale import custom_scale
-from ._util import Axis, axes_size, largest_pow2, normalize_axes, scalar_scale, scaled_output, widen
+from ._util import Axis, axes_size, largest_pow2, max_with_one, normalize_axes, scalar_scale, scaled_output, widen
 
 Array = Any
 
@@ -168,17 +168,13 @@ _log_softmax = custom_scale(_plain_log_softmax, static_argnums=(1,))
 _log_softmax.__name__ = "log_softmax"
 
 
-def _value_scale(scale: Array) -> Array:
-    """``max(scale, 1)``: the output scale of ``log_softmax`` and ``logsumexp``."""
-    return jnp.maximum(scale, jnp.ones_like(scale))
-
-
 @_log_softmax.defscale
 def _log_softmax_rule(x: ScaledArray, axes: tuple[int, ...]) -> ScaledArray:
     diff, scale = _shifted_data("log_softmax", x, axes)
     lse = jnp.log(jnp.sum(jnp.exp(diff * scale), axes, keepdims=True))
-    out_scale = _value_scale(scale)
-    return scaled_output(diff * (scale / out_scale) - lse / out_scale, x.dtype, out_scale)
+    out_scale = max_with_one(x.scale)
+    ratio, inv = scale / out_scale.astype(scale.dtype), 1 / out_scale.astype(scale.dtype)
+    return scaled_output(diff * ratio - lse * inv, x.dtype, out_scale)
 
 
 def log_softmax(x: Array, axis: Axis = -1) -> Array:
@@ -211,8 +207,9 @@ def _logsumexp_rule(x: ScaledArray, axes: tuple[int, ...], keepdims: bool) -> Sc
     lse = jnp.log(jnp.sum(jnp.exp((data - top) * scale), axes, keepdims=keepdims))
     if not keepdims:
         top = jnp.squeeze(top, axes)
-    out_scale = _value_scale(scale)
-    return scaled_output(top * (scale / out_scale) + lse / out_scale, x.dtype, out_scale)
+    out_scale = max_with_one(x.scale)
+    ratio, inv = scale / out_scale.astype(scale.dtype), 1 / out_scale.astype(scale.dtype)
+    return scaled_output(top * ratio + lse * inv, x.dtype, out_scale)
 
 
 def logsumexp(x: Array, axis: Axis = None, keepdims: bool = False) -> Array:

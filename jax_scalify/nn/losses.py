@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.custom_scale import custom_scale
 from ..core.pow2 import pow2_decompose
-from ._util import scalar_scale, scaled_output, widen
+from ._util import pow2_scale, scalar_scale, scaled_output, widen
 
 Array = Any
 
@@ -37,7 +37,7 @@ def _cross_entropy_rule(logits: ScaledArray, labels: Array) -> ScaledArray:
     out_scale, mantissa = pow2_decompose(loss)
     finite = jnp.isfinite(loss) & (loss != 0)
     # The exact split mantissa * 2**e; zero, inf and nan keep scale 1 (the data carry them).
-    return scaled_output(jnp.where(finite, mantissa, loss), logits.dtype, jnp.where(finite, out_scale, 1))
+    return scaled_output(jnp.where(finite, mantissa, loss), logits.dtype, pow2_scale(jnp.where(finite, out_scale, 1)))
 
 
 def cross_entropy(logits: Array, labels: Array) -> Array:

@@ -22,7 +22,7 @@ from ..core.custom_scale import custom_scale
 from ..core.interpreter import scalify
 from ..core.pow2 import pow2_round_up
 from ..ops.rescaling import Norm, dynamic_rescale_grad
-from ._util import Axis, normalize_axes, scalar_scale, scaled_output, widen
+from ._util import Axis, normalize_axes, pow2_scale, scalar_scale, scaled_output, widen
 
 Array = Any
 
@@ -34,6 +34,9 @@ def _affine(y: Array, gain: Array | None, bias: Array | None) -> Array:
     if bias is not None:
         y = y + bias
     return y
+
+
+_scaled_affine = scalify(_affine)  # the gain and bias with the mul and add rules (one trace cache)
 
 
 def _plain_normalise(x: Array, axes: tuple[int, ...], eps: float, center: bool) -> Array:
@@ -51,8 +54,10 @@ def _normalise_rule(name: str, x: ScaledArray, axes: tuple[int, ...], eps: float
     With ``c`` the (centred) data, ``sigma^2 = mean(c^2)`` and ``e = sqrt(eps) / scale`` (the
     square root of ``eps`` in data units), the output value is ``c / hypot(sigma, e)``
     (``hypot`` cannot overflow). Its RMS per slice is ``g = sigma / hypot(sigma, e) <= 1``;
-    the output scale is the power of two just above the largest ``g`` (1 in the usual
-    case) and the data are ``c / (hypot(sigma, e) * out_scale)``.
+    the output scale (one for the whole tensor) is the power of two just above the largest
+    ``g`` (1 unless ``eps`` dominates every slice) and the data are
+    ``c / (hypot(sigma, e) * out_scale)``: RMS at most 1 per slice, in ``(1/2, 1]`` for the
+    largest.
     """
     scale = scalar_scale(name, x)
     data = widen(x.data)
@@ -65,7 +70,7 @@ def _normalise_rule(name: str, x: ScaledArray, axes: tuple[int, ...], eps: float
     g_max = jnp.max(ratio) if ratio.size else jnp.zeros((), ratio.dtype)
     out_scale = pow2_round_up(g_max)
     out_scale = jnp.where(jnp.isfinite(out_scale) & (out_scale > 0), out_scale, jnp.ones_like(out_scale))
-    return scaled_output(data / (denom * out_scale), x.dtype, out_scale)
+    return scaled_output(data / (denom * out_scale), x.dtype, pow2_scale(out_scale))
 
 
 def _check_eps(name: str, eps: float) -> float:
@@ -86,7 +91,7 @@ _layer_norm.__name__ = "layer_norm"
 @_layer_norm.defscale
 def _layer_norm_rule(x: ScaledArray, gain, bias, axes: tuple[int, ...], eps: float) -> ScaledArray:
     y = _normalise_rule("layer_norm", x, axes, eps, center=True)
-    return scalify(_affine)(y, gain, bias)
+    return _scaled_affine(y, gain, bias)
 
 
 def layer_norm(
@@ -108,9 +113,10 @@ def layer_norm(
 
     Scale rule: the input's scale cancels out of the normalisation, so the data are
     centred and normalised in float32 with ``eps / scale**2`` in place of ``eps``; the
-    output has scale 1 and data of RMS 1 per slice (when ``eps`` dominates, i.e. for input
-    values below ``sqrt(eps)``, the output's RMS ``g < 1`` goes into the scale as the
-    power of two just above it, so the data stay unit-RMS). Then ``* scale + bias`` use
+    output has scale 1 and data of RMS 1 per slice. When ``eps`` dominates (input values
+    below ``sqrt(eps)``) a slice's output RMS is ``g < 1``: the scale is then the power of
+    two just above the largest ``g``, so the data stay unit-RMS (largest slice RMS in
+    ``(1/2, 1]``) in float16 and FP8 too. Then ``* scale + bias`` use
     the ``mul`` and ``add`` rules (output scale ``s_gain``, then
     ``pow2(sqrt(s^2 + s_bias^2))``). In float32 the values match the plain function to
     round-off, for any input scale.
@@ -130,7 +136,7 @@ _rms_norm.__name__ = "rms_norm"
 @_rms_norm.defscale
 def _rms_norm_rule(x: ScaledArray, gain, axes: tuple[int, ...], eps: float) -> ScaledArray:
     y = _normalise_rule("rms_norm", x, axes, eps, center=False)
-    return y if gain is None else scalify(_affine)(y, gain, None)
+    return y if gain is None else _scaled_affine(y, gain, None)
 
 
 def rms_norm(x: Array, scale: Array | None = None, axis: Axis = -1, eps: float = 1e-6) -> Array:

@@ -95,9 +95,11 @@ def test_zero_constant_takes_any_scale_across_jit_boundaries():
 
 
 def test_scalar_constants_fold_into_the_scale():
-    out = jsa.scalify(lambda a: a * 3.0)(scaled(X, 1.0))
-    assert float(out.scale) == 2.0
-    np.testing.assert_array_equal(out.data, X * 1.5)
+    out = jsa.scalify(lambda a: a * 3.0)(scaled(X, 1.0))  # 3 = 0.75 * 2**2, the nearest power of two
+    assert float(out.scale) == 4.0
+    np.testing.assert_array_equal(out.data, X * 0.75)
+    out = jsa.scalify(lambda a: a * 0.999)(scaled(X, 1.0))  # a decay rate keeps the scale
+    assert float(out.scale) == 1.0
     out = jsa.scalify(lambda a: a / jnp.full(a.shape, 8.0))(scaled(X, 1.0))
     assert float(out.scale) == 0.125
     np.testing.assert_array_equal(out.data, X)

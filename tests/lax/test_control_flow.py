@@ -216,7 +216,7 @@ def test_scan_ys_with_a_trace_time_constant_scale_keep_it():
     jaxpr = jax.make_jaxpr(lambda data: jsa.scalify(fn)(jsa.ScaledArray(data, xs.scale)))(xs.data)
     assert "reduce_max" not in str(jaxpr)  # no stacked scales to rebalance
     ys = jsa.scalify(fn)(xs)
-    assert float(ys.scale) == 8.0  # 3.0 = 1.5 * 2 folds its exponent into the scale
+    assert float(ys.scale) == 16.0  # 3.0 = 0.75 * 4 folds its exponent into the scale
     np.testing.assert_array_equal(value(ys), np.full((3, 4), 12.0))
 
 

@@ -209,9 +209,11 @@ def test_mul_div_scales():
     assert _scale(jsa.scalify(lambda a, b: a * b)(x, y)) == 2.0**-6
     assert _scale(jsa.scalify(lambda a, b: a / b)(x, y)) == 2.0**-14
     # A constant's exponent folds into the scale; the data keeps the mantissa product.
-    out = jsa.scalify(lambda a: a * 6.0)(x)
-    assert _scale(out) == 2.0**-8
-    np.testing.assert_array_equal(np.asarray(out.data), 1.5 * 1.5)
+    out = jsa.scalify(lambda a: a * 6.0)(x)  # 6 = 0.75 * 2**3 (nearest power of two)
+    assert _scale(out) == 2.0**-7
+    np.testing.assert_array_equal(np.asarray(out.data), 1.5 * 0.75)
+    out = jsa.scalify(lambda a: a * 0.999)(x)  # a constant near 1 keeps the scale
+    assert _scale(out) == 2.0**-10
 
 
 def test_rem_takes_divisor_scale():

@@ -100,10 +100,10 @@ def test_pad_with_zero_or_inf_keeps_scale(fn):
 
 
 def test_pad_with_nonzero_value_aligns_to_largest():
-    """The constant 3.0 = 1.5 * 2**1 has scale 2, larger than the operand's."""
+    """The constant 3.0 = 0.75 * 2**2 has scale 4, larger than the operand's."""
     x = jsa.as_scaled_array(np.ones((2, 2), np.float32), scale=np.float32(2.0**-8))
     out = jsa.scalify(lambda a: jnp.pad(a, 1, constant_values=3.0))(x)
-    assert float(out.scale) == 2.0
+    assert float(out.scale) == 4.0
     np.testing.assert_array_equal(out.to_array(), np.pad(np.ones((2, 2), np.float32), 1, constant_values=3.0))
 
 
@@ -116,11 +116,11 @@ def test_split_keeps_scale():
 
 
 def test_broadcast_scalar_constant_recognised_through_layout_ops():
-    """`jnp.full(..., 3.0).T.reshape(...)` is still the scalar 3 = 1.5 * 2**1 when it meets x."""
+    """`jnp.full(..., 3.0).T.reshape(...)` is still the scalar 3 = 0.75 * 2**2 when it meets x."""
     x = jsa.as_scaled_array(np.ones((2, 3), np.float32), scale=np.float32(2.0**-10))
     out = jsa.scalify(lambda a: jnp.concatenate([a, jnp.full((3, 2), 3.0).T[::-1, 2:].reshape(2, 1)], axis=1))(x)
-    assert float(out.scale) == 2.0
-    np.testing.assert_array_equal(out.data[:, -1], [1.5, 1.5])
+    assert float(out.scale) == 4.0
+    np.testing.assert_array_equal(out.data[:, -1], [0.75, 0.75])
     np.testing.assert_array_equal(out.to_array()[:, -1], [3.0, 3.0])
 
 

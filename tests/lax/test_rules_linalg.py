@@ -190,17 +190,3 @@ def test_conv_pool_matmul_grad_under_jit():
     assert_pow2_scales(got)
     for g, e in zip(jax.tree.leaves(jsa.asarray(got)), jax.tree.leaves(expected)):
         np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(e))))
-
-
-@pytest.mark.gpu
-def test_fp8_matmul_lowers_to_fp8_gemm():
-    """On a Hopper (or Ada) GPU, the scalified FP8 matmul compiles to a cuBLASLt FP8 GEMM."""
-    device = jax.devices()[0]
-    if device.platform != "gpu" or float(getattr(device, "compute_capability", "0")) < 8.9:
-        pytest.skip("needs a GPU with FP8 support (compute capability >= 8.9)")
-    rng = np.random.default_rng(0)
-    a = scaled(rng.standard_normal((64, 128)), 2.0**-4, jnp.float8_e4m3fn)
-    b = scaled(rng.standard_normal((128, 32)), 2.0**3, jnp.float8_e4m3fn)
-    f = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.bfloat16)
-    hlo = jax.jit(jsa.scalify(f)).lower(a, b).compile().as_text()
-    assert "__cublas$lt$matmul$f8" in hlo

@@ -108,7 +108,6 @@ def test_adam_fp16_deeper_mlp_matches_fp32():
 @pytest.mark.parametrize(
     "name, opt",
     [
-        ("sgd_nesterov", optax.sgd(0.1, momentum=0.9, nesterov=True)),
         ("adamw", optax.adamw(1e-2, weight_decay=1e-2)),
         ("lion_clipped", optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-3))),
     ],

@@ -137,6 +137,28 @@ def test_scan_gradient_has_the_scales_of_the_unrolled_loop():
         np.testing.assert_allclose(np.asarray(g.to_array()), np.asarray(expected), rtol=1e-6)
 
 
+def test_dynamic_rescale_in_a_scanned_body_under_grad_and_jit():
+    """Regression: ``dynamic_rescale_l2`` in a scan body, differentiated, under ``jax.jit``.
+
+    ``grad`` hoists the fallback constants of the rescale's ``jnp.where``s out of the scan
+    into traced arguments of its jitted helper. The ``jit`` rule used to promote them to
+    scale 1 at the call boundary, which made the helper's clipping-bound arithmetic
+    (2**-126, 2**127) scaled; aligning those scales underflowed, the rescale factor came out
+    0 and the gradient NaN. (Without ``jax.jit`` the constants were known and stayed plain.)
+    """
+
+    def loss(x):
+        body = lambda c, _: (jnp.tanh(jsa.ops.dynamic_rescale_l2(c)) * c, None)  # noqa: E731
+        return jnp.sum(lax.scan(body, x, None, length=2)[0])
+
+    x = jnp.asarray(np.random.default_rng(1).standard_normal(4), jnp.float32)
+    scaled = jsa.as_scaled_array(x)
+    for run in (jsa.scalify(jax.grad(loss)), jax.jit(jsa.scalify(jax.grad(loss)))):
+        got = run(scaled)
+        assert_pow2_scales(got)
+        assert_close_values(got, jax.grad(loss)(x), **TIGHT)
+
+
 # --- dropout + checkpoint ------------------------------------------------------------------------
 dropout_step = _jit_pair(sgd_step(dropout_remat_loss))
 

@@ -1,0 +1,270 @@
+"""SPMD under scalify: NamedSharding through jit, shard_map and its collectives (8 CPU devices).
+
+``tests/conftest.py`` gives the test session eight host devices.
+"""
+import functools
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_scalify as jsa
+from tests.invariance import Case, assert_close_values, assert_pow2_scales, check_case, normal
+
+N = 8
+pytestmark = pytest.mark.skipif(jax.device_count() < N, reason=f"needs {N} devices (tests/conftest.py sets them)")
+
+MESH = jax.make_mesh((N,), ("x",), axis_types=(AxisType.Auto,)) if jax.device_count() >= N else None
+MESH_2D = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2) if jax.device_count() >= N else None
+
+
+def smap(in_specs, out_specs, check_vma=True, mesh=None):
+    """Decorator: ``jax.shard_map`` over the 8-device mesh."""
+    return functools.partial(
+        jax.shard_map, mesh=mesh or MESH, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
+    )
+
+
+def jit_smap(in_specs, out_specs, check_vma=True):
+    """Decorator: a jitted ``shard_map`` (compiled once per input types, also under scalify)."""
+    return lambda fn: jax.jit(smap(in_specs, out_specs, check_vma)(fn))
+
+
+RING = [(i, (i + 1) % N) for i in range(N)]
+
+
+# --- programs (plain JAX) ----------------------------------------------------------------------
+@jit_smap((P("x"), P()), P())
+def dp_linear_psum(x, w):
+    """Data parallel: per-device partial matmul-sum, summed over devices."""
+    return jax.lax.psum(jnp.sum(jnp.tanh(x @ w), axis=0), "x")
+
+
+@jit_smap((P("x"), P()), P(), check_vma=False)
+def dp_linear_psum_unchecked(x, w):
+    return jax.lax.psum(jnp.sum(jnp.tanh(x @ w), axis=0), "x")
+
+
+@jit_smap(P("x"), (P(), P()))
+def pmax_pmin(x):
+    return jax.lax.pmax(x, "x"), jax.lax.pmin(x, "x")
+
+
+@jit_smap(P("x"), P("x"))
+def all_gather_tiled(x):
+    return jax.lax.all_gather(x, "x", tiled=True) * 2.0
+
+
+@jit_smap(P("x"), P("x"))
+def all_to_all(x):
+    return jax.lax.all_to_all(x, "x", 0, 0, tiled=True)
+
+
+@jit_smap(P("x"), P("x"))
+def ring_shift(x):
+    return jax.lax.ppermute(x, "x", RING) + x
+
+
+@jit_smap(P("x"), P("x"))
+def psum_scatter(x):
+    return jax.lax.psum_scatter(x, "x", tiled=True)
+
+
+@jit_smap(P(), P())
+def psum_of_replicated(x):
+    """psum of an invariant value: JAX inserts pvary, then psum_invariant."""
+    return jax.lax.psum(x, "x")
+
+
+@jit_smap((P("x"), P()), P())
+def pmean_grad_step(x, w):
+    """A data-parallel gradient, averaged over devices with pmean."""
+    grad = jax.grad(lambda w: jnp.mean(jnp.square(jnp.tanh(x @ w))))(w)
+    return jax.lax.pmean(grad, "x")
+
+
+INVARIANCE_CASES = [
+    Case("shard_map_psum", dp_linear_psum, [normal(16, 4), normal(4, 3)], grad=True),
+    Case("shard_map_psum_unchecked", dp_linear_psum_unchecked, [normal(16, 4), normal(4, 3)], grad=True),
+    Case("pmax_pmin", pmax_pmin, [normal(16, 3)]),
+    Case("all_gather", all_gather_tiled, [normal(16, 3)], grad=True),
+    Case("all_to_all", all_to_all, [normal(64, 2)], grad=True),
+    Case("ppermute", ring_shift, [normal(16, 3)], grad=True),
+    Case("psum_scatter", psum_scatter, [normal(64, 2)], grad=True),
+    Case("psum_of_replicated", psum_of_replicated, [normal(5)], grad=True),
+    Case("pmean_grad_step", pmean_grad_step, [normal(16, 4), normal(4, 3)]),
+]
+
+
+@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
+@settings(max_examples=3, deadline=None)
+@given(data=st.data())
+def test_invariance(case, data):
+    check_case(case, data)
+
+
+# --- unit scaling and per-device scales --------------------------------------------------------
+def scaled(x, scale, dtype=jnp.float32):
+    return jsa.ScaledArray(jnp.asarray(np.asarray(x) / scale, dtype), jnp.float32(scale))
+
+
+def test_psum_unit_scaling():
+    """A psum over 8 devices of unit-scale blocks: scale * pow2(sqrt(8)) = 2, data / 2."""
+    x = scaled(np.full((16, 3), 2.0**-3), 2.0**-3)  # data 1
+    out = jsa.scalify(smap(P("x"), P())(lambda v: jax.lax.psum(v, "x")))(x)
+    assert float(out.scale) == 2.0**-3 * 2
+    np.testing.assert_array_equal(np.asarray(out.data), np.full((2, 3), 4.0))
+    np.testing.assert_array_equal(np.asarray(out.to_array()), np.full((2, 3), 1.0))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_collectives_align_per_device_scales(check_vma):
+    """Blocks rescaled to device-local scales (dynamic_rescale) are aligned before combining."""
+
+    @smap(P("x"), (P(), P(), P("x"), P("x")), check_vma=check_vma)
+    def fn(x):
+        x = jsa.ops.dynamic_rescale_max(x * (2.0 ** jax.lax.axis_index("x")))  # local scales differ
+        gathered = jax.lax.all_gather(x, "x", tiled=True)
+        return jax.lax.psum(x, "x"), jax.lax.pmax(x, "x"), gathered, jax.lax.ppermute(x, "x", RING)
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 3)).astype(np.float32)
+    expected = fn(x)
+    got = jax.jit(jsa.scalify(fn))(scaled(x, 2.0**5))
+    assert_pow2_scales(got)
+    assert_close_values(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_fp16_psum_of_large_values():
+    """float16 blocks whose sum overflows float16: the scale carries the range."""
+
+    @smap(P("x"), P())
+    def fn(x):
+        return jax.lax.psum(x, "x")
+
+    x = scaled(np.full((16, 2), 2.0**20), 2.0**20, jnp.float16)
+    out = jsa.scalify(fn)(x)
+    assert out.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(out.to_array(jnp.float32)), np.full((2, 2), 2.0**23))
+
+
+def test_shard_map_keeps_specs_and_options():
+    fn = smap((P("x"), P()), P())(lambda x, w: jax.lax.psum(x @ w, "x"))
+    args = (scaled(np.ones((16, 4)), 1.0), scaled(np.ones((4, 3)), 1.0))
+    jaxpr = jax.make_jaxpr(jsa.scalify(fn))(*args)
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
+    assert eqn.params["in_specs"] == (P("x"), P(), P(), P())  # data, scale, data, scale
+    assert eqn.params["out_specs"] == (P(), P())
+    assert eqn.params["check_vma"] is True
+
+
+def test_shard_map_with_plain_and_integer_arguments():
+    @smap((P("x"), P("x"), P()), (P("x"), P("x")))
+    def fn(x, idx, plain):
+        return x[idx[0]] * plain, idx + 1
+
+    x = np.arange(32.0, dtype=np.float32).reshape(16, 2)
+    idx = np.zeros((16,), np.int32)
+    plain = np.float32(3.0)
+    expected = fn(x, idx, plain)
+    got = jsa.scalify(fn)(scaled(x, 4.0), idx, plain)
+    assert_close_values(got, expected, rtol=1e-6, atol=1e-6)
+
+
+# --- NamedSharding through jit -----------------------------------------------------------------
+def mlp_loss(params, x, y):
+    h = jax.nn.relu(x @ params["w1"] + params["b1"])
+    return jnp.mean(jnp.square(h @ params["w2"] - y))
+
+
+def sgd_step(params, x, y):
+    loss, grads = jax.value_and_grad(mlp_loss)(params, x, y)
+    return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+def _mlp_problem(rng):
+    params = {
+        "w1": rng.standard_normal((8, 32)).astype(np.float32) / np.sqrt(8),
+        "b1": np.zeros((32,), np.float32),
+        "w2": rng.standard_normal((32, 4)).astype(np.float32) / np.sqrt(32),
+    }
+    return params, rng.standard_normal((64, 8)).astype(np.float32), rng.standard_normal((64, 4)).astype(np.float32)
+
+
+def _put(tree, mesh, specs):
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+
+
+def _scaled_put(tree, mesh, specs):
+    """ScaledArray leaves with their data placed with ``specs`` and scales replicated."""
+
+    def put(x, spec):
+        s = jsa.as_scaled_array(x)
+        return jsa.ScaledArray(
+            jax.device_put(s.data, NamedSharding(mesh, spec)), jax.device_put(s.scale, NamedSharding(mesh, P()))
+        )
+
+    return jax.tree.map(put, tree, specs)
+
+
+@pytest.mark.parametrize(
+    "name, param_specs, x_spec",
+    [
+        ("data_parallel", {"w1": P(), "b1": P(), "w2": P()}, P("dp")),
+        ("tensor_parallel", {"w1": P(None, "tp"), "b1": P("tp"), "w2": P("tp", None)}, P()),
+        ("both", {"w1": P(None, "tp"), "b1": P("tp"), "w2": P("tp", None)}, P("dp")),
+    ],
+)
+def test_named_sharding_through_jit(name, param_specs, x_spec):
+    """Scalified step under jit: shardings of the outputs are those of the plain step, values match."""
+    params, x, y = _mlp_problem(np.random.default_rng(1))
+    plain_in = (_put(params, MESH_2D, param_specs), *_put((x, y), MESH_2D, (x_spec, x_spec)))
+    scaled_in = (_scaled_put(params, MESH_2D, param_specs), *_scaled_put((x, y), MESH_2D, (x_spec, x_spec)))
+    expected = jax.jit(sgd_step)(*plain_in)
+    got = jax.jit(jsa.scalify(sgd_step))(*scaled_in)
+    assert_pow2_scales(got)
+    unsharded = sgd_step(params, x, y)
+    assert_close_values(got, unsharded, rtol=1e-5, atol=1e-6)
+    for g, e in zip(jax.tree.leaves(got[1], is_leaf=jsa.is_scaled_leaf), jax.tree.leaves(expected[1])):
+        assert g.data.sharding.is_equivalent_to(e.sharding, g.data.ndim), (name, g.data.sharding, e.sharding)
+        assert g.scale.sharding.is_fully_replicated
+
+
+def test_tensor_parallel_matmul_keeps_output_sharding():
+    """A weight sharded on its output dim: the scalified matmul's data keeps that sharding."""
+    rng = np.random.default_rng(2)
+    x, w = rng.standard_normal((16, 8)).astype(np.float32), rng.standard_normal((8, 32)).astype(np.float32)
+    w_sharding = NamedSharding(MESH, P(None, "x"))
+    xs = _scaled_put(x, MESH, P())
+    ws = _scaled_put(w, MESH, P(None, "x"))
+    out = jax.jit(jsa.scalify(lambda a, b: jnp.tanh(a @ b)))(xs, ws)
+    expected = jax.jit(lambda a, b: jnp.tanh(a @ b))(x, jax.device_put(w, w_sharding))
+    assert out.data.sharding.is_equivalent_to(expected.sharding, 2)
+    assert out.data.sharding.spec == P(None, "x")
+    np.testing.assert_allclose(np.asarray(out.to_array()), np.tanh(x @ w), rtol=1e-5, atol=1e-6)
+
+
+def test_shard_map_training_step_matches_unsharded():
+    """Data-parallel SGD inside shard_map, under jit.
+
+    With ``check_vma=True`` the gradient of a replicated parameter is already summed over the
+    devices (the transpose of ``pvary`` is ``psum``): dividing by the device count gives the
+    gradient of the global mean loss.
+    """
+
+    @smap((P(), P("x"), P("x")), (P(), P()))
+    def step(params, x, y):
+        loss, grads = jax.value_and_grad(mlp_loss)(params, x, y)
+        return jax.lax.pmean(loss, "x"), jax.tree.map(lambda p, g: p - 0.1 * g / N, params, grads)
+
+    params, x, y = _mlp_problem(np.random.default_rng(3))
+    expected = sgd_step(params, x, y)
+    assert_close_values(jax.jit(step)(params, x, y), expected, rtol=1e-5, atol=1e-6)
+    got = jax.jit(jsa.scalify(step))(jsa.as_scaled_array(params), jsa.as_scaled_array(x), jsa.as_scaled_array(y))
+    assert_pow2_scales(got)
+    assert_close_values(got, expected, rtol=1e-5, atol=1e-6)
