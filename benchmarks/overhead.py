@@ -121,11 +121,10 @@ def compare(name, step, inputs, rounds, compile_rounds, config=None):
     """Runtime and compile time of ``step`` plain and scalified (under ``config`` if given)."""
     config = config or jsa.ScalifyConfig()
     plain = jax.jit(step)
-    with config:
+    with config:  # jax.jit traces (reading the config) at the first call
         scaled_step = jax.jit(jsa.scalify(step))
         scaled_inputs = jsa.as_scaled_array(inputs)
-        block_result = scaled_step(*scaled_inputs)  # trace under the config
-    del block_result
+        jax.block_until_ready(scaled_step(*scaled_inputs))
     times = interleaved_medians({"plain": lambda: plain(*inputs), "scalify": lambda: scaled_step(*scaled_inputs)}, rounds)
 
     def scalify_compile():

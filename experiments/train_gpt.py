@@ -160,8 +160,8 @@ def _astype(tree, dtype):
 def make_update(run: RunConfig, cfg: GPTConfig, opt: optax.GradientTransformation) -> Callable:
     """The training step ``update(state, batch) -> (loss, state)`` of ``run`` (not jitted).
 
-    ``state`` is a dict with ``params`` and ``opt``; with loss scaling also ``loss_scale``
-    and ``good_steps``.
+    ``state`` is a dict with ``params`` and ``opt``; with loss scaling also ``loss_scale``,
+    ``good_steps`` (since the last change of the scale) and ``skipped_steps`` (in total).
     """
     prec = run.precision
 
@@ -195,6 +195,7 @@ def make_update(run: RunConfig, cfg: GPTConfig, opt: optax.GradientTransformatio
             "opt": keep(opt_state, state["opt"]),
             "loss_scale": new_scale,
             "good_steps": jnp.where(grow, 0, good),
+            "skipped_steps": state["skipped_steps"] + jnp.where(finite, 0, 1),
         }
 
     return update_loss_scaled if run.loss_scale else update
@@ -207,6 +208,7 @@ def init_state(run: RunConfig, params32, opt: optax.GradientTransformation) -> d
     if run.loss_scale:
         state["loss_scale"] = jnp.asarray(LOSS_SCALE_INIT, F32)
         state["good_steps"] = jnp.asarray(0, jnp.int32)
+        state["skipped_steps"] = jnp.asarray(0, jnp.int32)
     if run.scalify:
         state = _scaled_state(state, params32, run)
     return state
@@ -292,6 +294,7 @@ def train_one(run: RunConfig, cfg: GPTConfig, args, params32, train_batches, eva
     }
     if run.loss_scale:
         result["final_loss_scale"] = float(state["loss_scale"])
+        result["skipped_steps"] = int(state["skipped_steps"])
     return result
 
 
@@ -477,7 +480,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps)")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the training batches")
+    p.add_argument("--eval-seed", type=int, default=None, help="seed of the fixed evaluation batches (default: --seed)")
     p.add_argument("--nan-patience", type=int, default=20, help="stop a configuration after this many non-finite losses in a row")
     p.add_argument("--max-chars", type=int, default=None, help="use only the first characters of --data")
     p.add_argument("--out", default="results/gpt", help="output folder for gpt_results.json and gpt_loss_curves.png")
@@ -503,9 +507,10 @@ def run(args: argparse.Namespace) -> list[dict]:
     cfg = GPTConfig(vocab=dataset.vocab_size, seq=args.seq, width=args.width, heads=args.heads, layers=args.layers)
     params32 = init_params(jax.random.PRNGKey(args.seed), cfg)
     train_batches = data_lib.batch_stream(dataset.train, args.steps, args.batch, args.seq, args.seed + 1)
+    eval_seed = args.seed if args.eval_seed is None else args.eval_seed
     eval_sets = {
-        "val": data_lib.fixed_batches(dataset.val, args.eval_batches, args.batch, args.seq, args.seed + 2),
-        "train": data_lib.fixed_batches(dataset.train, args.eval_batches, args.batch, args.seq, args.seed + 3),
+        "val": data_lib.fixed_batches(dataset.val, args.eval_batches, args.batch, args.seq, eval_seed + 2),
+        "train": data_lib.fixed_batches(dataset.train, args.eval_batches, args.batch, args.seq, eval_seed + 3),
     }
     meta = {
         "data": str(args.data),
@@ -520,6 +525,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         "optimizer": f"Adam(b1=0.9, b2=0.99, eps=1e-8), warmup {args.warmup} steps to lr {args.lr}, cosine to lr/10",
         "eval": f"{args.eval_batches} fixed batches of {args.batch}x{args.seq} tokens",
         "seed": args.seed,
+        "eval_seed": eval_seed,
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "machine": f"{platform.processor() or platform.machine()}, {jax.local_device_count()} device(s)",

@@ -262,3 +262,33 @@ def _bits_exponent(x: Array) -> Array:
     exponent = lax.select(lax.lt(mag, u(1 << nmant)), subnormal, normal)
     special = lax.bitwise_or(lax.eq(mag, u(0)), lax.ge(mag, exp_field))
     return lax.select(special, lax.full_like(exponent, -1), exponent)
+
+
+def pow2_round_positive_or_one(x: Array, mode: Pow2RoundMode | None = None) -> Array:
+    """``pow2_round(x, mode)`` where ``x > 0``, and 1 elsewhere (0, negative, nan), for a JAX ``x``.
+
+    Equal to ``where(pow2_round(x) > 0, pow2_round(x), 1)`` in a few bit operations: a
+    positive ``x`` rounds to a positive power of two (``inf`` stays ``inf``), and ``x > 0``
+    holds exactly when the rounded value is positive (also where a backend treats
+    subnormals as zero in comparisons).
+    """
+    mode = _check_mode(mode)
+    x = jnp.asarray(x)
+    one = lax.full_like(x, 1)
+    if mode == Pow2RoundMode.NONE:
+        return lax.select(lax.gt(x, lax.full_like(x, 0)), x, one)
+    work, uint, nmant, _ = _bits_layout(x.dtype)
+    nbits = 8 * uint.itemsize
+    u = uint.type
+    xw = lax.convert_element_type(x, work)
+    bits = lax.bitcast_convert_type(xw, uint)
+    exp_field = u(((1 << (nbits - 1)) - 1) ^ ((1 << nmant) - 1))
+    # Only positive values are kept, so the sign bit is clear where it matters.
+    normal = lax.bitwise_and(bits, exp_field)
+    subnormal = lax.shift_right_logical(jnp.asarray(u(1 << (nbits - 1))), lax.clz(bits))
+    pow_bits = lax.select(lax.lt(bits, u(1 << nmant)), subnormal, normal)
+    if mode == Pow2RoundMode.UP:
+        next_bits = lax.add(pow_bits, lax.min(pow_bits, u(1 << nmant)))
+        pow_bits = lax.select(lax.eq(bits, pow_bits), pow_bits, next_bits)
+    rounded = lax.convert_element_type(lax.bitcast_convert_type(pow_bits, work), x.dtype)
+    return lax.select(lax.gt(xw, lax.full_like(xw, 0)), rounded, one)

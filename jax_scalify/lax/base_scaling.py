@@ -61,6 +61,24 @@ def select(pred: Array, on_true: Array, on_false: Array) -> Array:
     return lax.select(pred, on_true, on_false)
 
 
+def scale_max(a: Array, b: Array) -> Array:
+    """``max(a, b)`` of two scales (NaN-propagating): NumPy for NumPy inputs, else one ``max`` equation."""
+    if is_numpy(a) and is_numpy(b):
+        return np.maximum(a, b)
+    if np.shape(a) == np.shape(b) and getattr(a, "dtype", None) == getattr(b, "dtype", None):
+        return lax.max(a, b)
+    return jnp.maximum(a, b)
+
+
+def scale_min(a: Array, b: Array) -> Array:
+    """``min(a, b)`` of two scales (NaN-propagating): NumPy for NumPy inputs, else one ``min`` equation."""
+    if is_numpy(a) and is_numpy(b):
+        return np.minimum(a, b)
+    if np.shape(a) == np.shape(b) and getattr(a, "dtype", None) == getattr(b, "dtype", None):
+        return lax.min(a, b)
+    return jnp.minimum(a, b)
+
+
 def scale_mul(*scales: Array) -> Array:
     """Product of scales in the scale dtype; marked a power of two when every factor is one.
 
@@ -151,7 +169,7 @@ def largest_scale(operands: Sequence[ScaledArray]) -> Array:
         return np.ones((), scale_dtype())
     out = scales[0]
     for s in scales[1:]:
-        out = np.maximum(out, s) if is_numpy(out) and is_numpy(s) else jnp.maximum(out, s)
+        out = scale_max(out, s)
     return mark_pow2(out) if all_known_pow2(*scales) else out
 
 
@@ -181,6 +199,8 @@ __all__ = [
     "round_scale",
     "scale_div",
     "scale_dtype",
+    "scale_max",
+    "scale_min",
     "scale_mul",
     "select",
     "sqrt_size_pow2",

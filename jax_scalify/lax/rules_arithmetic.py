@@ -29,6 +29,7 @@ from jax.extend.core import primitives as P
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.known_pow2 import all_known_pow2, is_known_pow2, mark_pow2
+from ..core.pow2 import pow2_round_positive_or_one
 from ..core.registry import register_scalar_preserving, register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
     align_to_largest,
@@ -39,6 +40,8 @@ from .base_scaling import (
     rescale,
     round_scale,
     scale_div,
+    scale_max,
+    scale_min,
     scale_mul,
     select,
     to_float32_value,
@@ -108,14 +111,14 @@ def _sum_scale(a: ScaledArray, b: ScaledArray) -> Array:
     if sa is sb:  # one scale object: hi = lo = s, and pow2(sqrt(2) * s) is s when rounding down
         if get_scalify_config().rounding_mode == Pow2RoundMode.DOWN and is_known_pow2(sa):
             return sa
-    hi, lo = jnp.maximum(sa, sb), jnp.minimum(sa, sb)
+    hi, lo = scale_max(sa, sb), scale_min(sa, sb)
     one = as_scale(1)
     if get_scalify_config().rounding_mode == Pow2RoundMode.DOWN and all_known_pow2(sa, sb):
         return mark_pow2(select((hi > 0) & (lo != np.inf), hi, one))
-    positive = hi > 0
-    ratio = select(positive, lo / select(positive, hi, one), as_scale(0))
-    scale = round_scale(hi * lax.sqrt(1 + ratio * ratio))
-    scale = as_scale(select(scale > 0, scale, one))
+    # Where hi <= 0 or a scale is nan the result is 1 whatever the ratio (0 * inf and nan
+    # propagate to the final guard), so the ratio needs no guard of its own.
+    ratio = lo / hi
+    scale = as_scale(pow2_round_positive_or_one(hi * lax.sqrt(1 + ratio * ratio)))
     return scale if get_scalify_config().rounding_mode == Pow2RoundMode.NONE else mark_pow2(scale)
 
 
