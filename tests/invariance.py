@@ -38,6 +38,7 @@ class Case:
             floating arguments).
         grad: also check ``jax.grad(lambda *a: sum(fn(*a)))`` w.r.t. the first argument.
         rtol, atol: tolerance of the value comparison (atol relative to the largest |value|).
+        max_scale_exponent: input scales are drawn from ``2**-k .. 2**k`` with this ``k``.
     """
 
     name: str
@@ -47,6 +48,7 @@ class Case:
     grad: bool = False
     rtol: float = 2e-5
     atol: float = 1e-6
+    max_scale_exponent: int = 20
 
 
 def normal(*shape: int) -> ArgMaker:
@@ -105,7 +107,7 @@ def draw_inputs(case: Case, data: st.DataObject) -> tuple[list, list]:
     scaled = []
     for x, flag in zip(plain, scaled_flags):
         if flag and _is_float(x):
-            exponent = data.draw(scale_exponents(), label="scale exponent")
+            exponent = data.draw(scale_exponents(case.max_scale_exponent), label="scale exponent")
             scale = np.float32(2.0**exponent)
             scaled.append(jsa.ScaledArray(jnp.asarray(x / scale), jnp.asarray(scale)))
         else:
