@@ -3,8 +3,7 @@
 Run: ``python -m benchmarks.overhead`` (``--quick`` for a short run). Prints, for each
 benchmark, the median runtime of both steps (interleaved A/B timing in one process), the
 median trace+lower+compile time of both (wall clock, and CPU time of the process, which other
-processes on the machine disturb less), and their ratios. ``--assume-pow2`` adds rows with
-``ScalifyConfig(assume_pow2_input_scales=True)`` (suffix ``+pow2``).
+processes on the machine disturb less), and their ratios.
 """
 from __future__ import annotations
 
@@ -117,22 +116,18 @@ def gpt_inputs(dtype):
 
 
 # --- running ---------------------------------------------------------------------------------
-def compare(name, step, inputs, rounds, compile_rounds, config=None):
-    """Runtime and compile time of ``step`` plain and scalified (under ``config`` if given)."""
-    config = config or jsa.ScalifyConfig()
+def compare(name, step, inputs, rounds, compile_rounds):
+    """Runtime and compile time of ``step``, plain and scalified."""
     plain = jax.jit(step)
-    with config:  # jax.jit traces (reading the config) at the first call
-        scaled_step = jax.jit(jsa.scalify(step))
-        scaled_inputs = jsa.as_scaled_array(inputs)
-        jax.block_until_ready(scaled_step(*scaled_inputs))
+    scaled_step = jax.jit(jsa.scalify(step))
+    scaled_inputs = jsa.as_scaled_array(inputs)
     times = interleaved_medians({"plain": lambda: plain(*inputs), "scalify": lambda: scaled_step(*scaled_inputs)}, rounds)
-
-    def scalify_compile():
-        with config:
-            return compile_times(jsa.scalify(step), *scaled_inputs)
-
     compiles = interleaved_compile_medians(
-        {"plain": lambda: compile_times(step, *inputs), "scalify": scalify_compile}, compile_rounds
+        {
+            "plain": lambda: compile_times(step, *inputs),
+            "scalify": lambda: compile_times(jsa.scalify(step), *scaled_inputs),
+        },
+        compile_rounds,
     )
     row = {
         "benchmark": name,
@@ -160,7 +155,6 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--only", help="comma-separated subset of benchmark names")
-    parser.add_argument("--assume-pow2", action="store_true", help="also run with assume_pow2_input_scales=True")
     args = parser.parse_args(argv)
     rounds, compile_rounds = (5, 2) if args.quick else (30, 5)
     benches = {
@@ -176,14 +170,7 @@ def main(argv=None):
         f"{'benchmark':<16}{'plain ms':>10}{'scalify ms':>12}{'ratio':>9}{'plain cmp':>11}{'scalify cmp':>13}"
         f"{'ratio':>9}{'plain cpu':>10}{'scalify cpu':>12}{'ratio':>9}"
     )
-    configs = [("", None)]
-    if args.assume_pow2:
-        configs.append(("+pow2", jsa.ScalifyConfig(assume_pow2_input_scales=True)))
-    rows = [
-        compare(name + suffix, step, make(), rounds, compile_rounds, config)
-        for name, (step, make) in benches.items()
-        for suffix, config in configs
-    ]
+    rows = [compare(name, step, make(), rounds, compile_rounds) for name, (step, make) in benches.items()]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

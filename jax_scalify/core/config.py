@@ -44,20 +44,12 @@ class ScalifyConfig:
         scale_dtype: dtype of the scales created by rules and by promotion of unscaled
             values. Float32 by default (the paper simulates E8M0 scales in float32); it is
             never silently the data dtype.
-        assume_pow2_input_scales: trust that the traced scales of the scalified function's
-            inputs are powers of two (or 0, inf), as :func:`jsa.as_scaled_array` and every
-            scalify rule make them. Rules then use their exact power-of-two shortcuts from
-            the first operation on (e.g. the scale of a sum is ``max(sa, sb)``), which traces
-            and compiles to fewer scalar operations. Off by default: with a scale that is not
-            a power of two the results keep their values, but such scales then propagate
-            instead of being rounded to powers of two by the first sum.
 
     Use as a context manager to change the settings for the code traced inside it.
     """
 
     rounding_mode: Pow2RoundMode = Pow2RoundMode.DOWN
     scale_dtype: Any = np.float32
-    assume_pow2_input_scales: bool = False
 
     def __post_init__(self):
         if not isinstance(self.rounding_mode, Pow2RoundMode):
@@ -79,10 +71,6 @@ class ScalifyConfig:
                 "Scales need the exponent range of a 16-bit or wider float; float32 is the default."
             )
         object.__setattr__(self, "scale_dtype", dtype)
-        if not isinstance(self.assume_pow2_input_scales, bool):
-            raise ValueError(
-                f"ScalifyConfig.assume_pow2_input_scales must be True or False, got {self.assume_pow2_input_scales!r}."
-            )
 
     def __enter__(self) -> "ScalifyConfig":
         _config_stack().append(self)

@@ -27,7 +27,6 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, jaxprs_i
 
 from . import known_pow2
 from .array import ScaledArray, is_floating_dtype, is_scaled_leaf
-from .config import get_scalify_config
 from .promotion import AnyScaleArray, promote
 from .registry import ScaledPrimitiveType, find_registered_scaled_op, scalar_preserving_fn
 
@@ -106,10 +105,6 @@ def scalify(fun: Callable[..., Any]) -> Callable[..., Any]:
         closed_jaxpr, out_tree = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
         dynamic_leaves = [leaves[i] for i in dynamic]
         with known_pow2.tracking():
-            if get_scalify_config().assume_pow2_input_scales:
-                for leaf in dynamic_leaves:
-                    if isinstance(leaf, ScaledArray):
-                        known_pow2.mark_pow2(leaf.scale)
             outs = eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, dynamic_leaves)
         return jax.tree.unflatten(out_tree, [_as_jax_arrays(x) for x in outs])
 
