@@ -17,6 +17,8 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,3 +149,15 @@ def _collect(jaxpr, names: set[str]) -> None:
         names.add(eqn.primitive.name)
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             _collect(getattr(sub, "jaxpr", sub), names)
+
+
+def invariance_test(cases: Sequence[Case], max_examples: int = 8):
+    """A pytest test running :func:`check_case` on every case (assign it to ``test_invariance``)."""
+
+    @pytest.mark.parametrize("case", cases, ids=lambda c: c.name)
+    @given(data=st.data())
+    @settings(max_examples=max_examples, deadline=None)
+    def test_invariance(case, data):
+        check_case(case, data)
+
+    return test_invariance

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 
 import jax_scalify as jsa
-from tests.invariance import Case, assert_close_values, assert_pow2_scales, check_case, normal
+from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, check_case, normal
 
 RULE_CALLS = []
 
@@ -50,11 +50,7 @@ INVARIANCE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
-@given(data=st.data())
-@settings(max_examples=6, deadline=None)
-def test_invariance(case, data):
-    check_case(case, data)
+test_invariance = invariance_test(INVARIANCE_CASES, max_examples=6)
 
 
 X = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)

@@ -10,7 +10,7 @@ from jax.experimental import io_callback
 
 import jax_scalify as jsa
 from jax_scalify.lax import control_flow
-from tests.invariance import Case, assert_close_values, assert_pow2_scales, check_case, integers, normal
+from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, check_case, integers, normal
 
 
 # --- programs ----------------------------------------------------------------------------------
@@ -136,11 +136,7 @@ INVARIANCE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
-@given(data=st.data())
-@settings(max_examples=6, deadline=None)
-def test_invariance(case, data):
-    check_case(case, data)
+test_invariance = invariance_test(INVARIANCE_CASES, max_examples=6)
 
 
 # --- helpers -------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 
 import jax_scalify as jsa
-from tests.invariance import Case, check_case, normal
+from tests.invariance import invariance_test, Case, check_case, normal
 
 
 @jax.custom_vjp
@@ -42,11 +42,7 @@ INVARIANCE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
-@settings(max_examples=8, deadline=None)
-@given(data=st.data())
-def test_invariance(case, data):
-    check_case(case, data)
+test_invariance = invariance_test(INVARIANCE_CASES, max_examples=8)
 
 
 def test_jit_keeps_name_and_inline():

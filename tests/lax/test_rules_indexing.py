@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from jax import lax
 
 import jax_scalify as jsa
-from tests.invariance import Case, assert_pow2_scales, check_case, integers, normal
+from tests.invariance import invariance_test, Case, assert_pow2_scales, check_case, integers, normal
 
 # Five indices into 4 rows: duplicates are likely, so scatter combiners are exercised.
 _ROWS = integers(5, low=0, high=4)
@@ -59,11 +59,7 @@ INVARIANCE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
-@given(data=st.data())
-@settings(max_examples=8, deadline=None)
-def test_invariance(case, data):
-    check_case(case, data)
+test_invariance = invariance_test(INVARIANCE_CASES, max_examples=8)
 
 
 def _scaled(values, exponent, dtype=np.float32):

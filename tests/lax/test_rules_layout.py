@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from jax import lax
 
 import jax_scalify as jsa
-from tests.invariance import Case, assert_pow2_scales, check_case, normal
+from tests.invariance import invariance_test, Case, assert_pow2_scales, check_case, normal
 
 _PAD_CONFIG = ((1, 2, 0), (-1, 1, 1))  # edge padding, cropping and interior padding
 
@@ -38,11 +38,7 @@ INVARIANCE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
-@given(data=st.data())
-@settings(max_examples=8, deadline=None)
-def test_invariance(case, data):
-    check_case(case, data)
+test_invariance = invariance_test(INVARIANCE_CASES, max_examples=8)
 
 
 def _tiny_f16(shape=(4, 6), exponent=-40):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 
 import jax_scalify as jsa
 from jax_scalify.lax import rules_misc
-from tests.invariance import Case, assert_pow2_scales, check_case, normal
+from tests.invariance import invariance_test, Case, assert_pow2_scales, check_case, normal
 
 SHAPE = (3, 4)
 
@@ -41,11 +41,7 @@ INVARIANCE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
-@given(data=st.data())
-@settings(max_examples=6, deadline=None)
-def test_invariance(case, data):
-    check_case(case, data)
+test_invariance = invariance_test(INVARIANCE_CASES, max_examples=6)
 
 
 def _scaled(data, exponent: int, dtype=jnp.float32) -> jsa.ScaledArray:

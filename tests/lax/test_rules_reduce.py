@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from jax import lax
 
 import jax_scalify as jsa
-from tests.invariance import Case, assert_pow2_scales, check_case, normal, positive
+from tests.invariance import invariance_test, Case, assert_pow2_scales, check_case, normal, positive
 
 
 def max_pool(x, window=(1, 2, 2, 1), strides=(1, 2, 2, 1), padding="VALID"):
@@ -70,11 +70,7 @@ INVARIANCE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
-@given(data=st.data())
-@settings(max_examples=8, deadline=None)
-def test_invariance(case, data):
-    check_case(case, data)
+test_invariance = invariance_test(INVARIANCE_CASES, max_examples=8)
 
 
 def scaled(x, scale, dtype=jnp.float32):

@@ -11,7 +11,7 @@ from jax import lax
 import jax_scalify as jsa
 from jax_scalify.core import ScaledPrimitiveType, find_registered_scaled_op
 from jax_scalify.lax import rules_special
-from tests.invariance import Case, assert_pow2_scales, check_case, normal, positive
+from tests.invariance import invariance_test, Case, assert_pow2_scales, check_case, normal, positive
 
 SHAPE = (3, 4)
 
@@ -80,11 +80,7 @@ INVARIANCE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
-@given(data=st.data())
-@settings(max_examples=6, deadline=None)
-def test_invariance(case, data):
-    check_case(case, data)
+test_invariance = invariance_test(INVARIANCE_CASES, max_examples=6)
 
 
 # --- helpers ---------------------------------------------------------------------------------

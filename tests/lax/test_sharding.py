@@ -14,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_scalify as jsa
-from tests.invariance import Case, assert_close_values, assert_pow2_scales, check_case, normal
+from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, check_case, normal
 
 N = 8
 pytestmark = pytest.mark.skipif(jax.device_count() < N, reason=f"needs {N} devices (tests/conftest.py sets them)")
@@ -101,11 +101,7 @@ INVARIANCE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
-@settings(max_examples=3, deadline=None)
-@given(data=st.data())
-def test_invariance(case, data):
-    check_case(case, data)
+test_invariance = invariance_test(INVARIANCE_CASES, max_examples=3)
 
 
 # --- unit scaling and per-device scales --------------------------------------------------------

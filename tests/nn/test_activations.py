@@ -8,7 +8,7 @@ from hypothesis import given, settings
 
 import jax_scalify as jsa
 from jax_scalify import nn
-from tests.invariance import Case, assert_close_values, assert_pow2_scales, check_case, normal
+from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, check_case, normal
 
 E4M3 = jnp.float8_e4m3fn
 
@@ -45,11 +45,7 @@ def scaled(x, exponent, dtype=np.float32):
     return jsa.ScaledArray(jnp.asarray(x / 2.0**exponent, dtype), jnp.float32(2.0**exponent))
 
 
-@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
-@given(data=st.data())
-@settings(max_examples=2, deadline=None)
-def test_invariance(case, data):
-    check_case(case, data)
+test_invariance = invariance_test(INVARIANCE_CASES, max_examples=2)
 
 
 # --- outside scalify: the jax.nn function ------------------------------------------------------

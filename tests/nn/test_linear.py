@@ -8,7 +8,7 @@ from hypothesis import given, settings
 
 import jax_scalify as jsa
 from jax_scalify import nn
-from tests.invariance import Case, assert_pow2_scales, check_case, normal
+from tests.invariance import invariance_test, Case, assert_pow2_scales, check_case, normal
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FP8 = {"fwd_dtype": E4M3, "bwd_dtype": E5M2}
@@ -37,11 +37,7 @@ def q(x, dtype):
     return np.asarray(jnp.asarray(x).astype(dtype).astype(jnp.float32))
 
 
-@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
-@given(data=st.data())
-@settings(max_examples=2, deadline=None)
-def test_invariance(case, data):
-    check_case(case, data)
+test_invariance = invariance_test(INVARIANCE_CASES, max_examples=2)
 
 
 def test_without_casts_is_a_plain_matmul():

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 
 import jax_scalify as jsa
 from jax_scalify import nn
-from tests.invariance import Case, check_case, integers, normal
+from tests.invariance import invariance_test, Case, check_case, integers, normal
 
 INVARIANCE_CASES = [
     Case("nn_cross_entropy", nn.cross_entropy, [normal(4, 6), integers(4, high=6)], grad=True),
@@ -25,11 +25,7 @@ def reference(logits, labels):
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
 
 
-@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
-@given(data=st.data())
-@settings(max_examples=2, deadline=None)
-def test_invariance(case, data):
-    check_case(case, data)
+test_invariance = invariance_test(INVARIANCE_CASES, max_examples=2)
 
 
 def test_equals_optax_outside_scalify():

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 
 import jax_scalify as jsa
 from jax_scalify import nn
-from tests.invariance import Case, assert_pow2_scales, check_case, normal
+from tests.invariance import invariance_test, Case, assert_pow2_scales, check_case, normal
 
 INVARIANCE_CASES = [
     # Weighted so that the gradient of the sum is not identically zero.
@@ -33,11 +33,7 @@ def row_rms(data):
     return np.sqrt(np.mean(np.square(np.asarray(data, np.float64)), axis=-1))
 
 
-@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
-@given(data=st.data())
-@settings(max_examples=2, deadline=None)
-def test_invariance(case, data):
-    check_case(case, data)
+test_invariance = invariance_test(INVARIANCE_CASES, max_examples=2)
 
 
 # --- outside scalify ------------------------------------------------------------------------
