@@ -29,6 +29,7 @@ from . import known_pow2
 from .array import ScaledArray, is_floating_dtype, is_scaled_leaf
 from .promotion import AnyScaleArray, promote
 from .registry import ScaledPrimitiveType, find_registered_scaled_op, scalar_preserving_fn
+from .vma import match_varying_axes
 
 jax.tree_util.register_pytree_node(
     AnyScaleArray,
@@ -275,6 +276,8 @@ def _keep_any_scale(prim, inputs: list, outs: list) -> list:
 
 def _bind(eqn: JaxprEqn, invals: list) -> list:
     params = eqn.primitive.get_bind_params(eqn.params)  # a dict of bind params in JAX >= 0.10
+    if len(invals) > 1:
+        invals = match_varying_axes([v.aval for v in eqn.invars], invals)
     outs = eqn.primitive.bind(*invals, **params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
 

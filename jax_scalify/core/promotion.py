@@ -9,6 +9,8 @@ scalar constant. When such a value meets a scaled one, it is promoted:
 - any other broadcast scalar constant is split exactly into a power-of-two scale (the
   nearest to it) and a mantissa in ``[sqrt(1/2), sqrt(2))`` (``x * 8.0`` folds ``2**3``
   into the scale, ``x * 0.999`` keeps ``x``'s scale);
+- a traced 0-d value (a learning rate from a schedule, a bias correction) is split at run
+  time the same way, so ``lr * update`` carries ``lr``'s magnitude in its scale;
 - every other floating array gets scale 1.
 """
 from __future__ import annotations
@@ -16,10 +18,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from jax import lax
 
 from .array import ScaledArray
-from .config import get_scalify_config
-from .pow2 import pow2_decompose
+from .config import Pow2RoundMode, get_scalify_config
+from .known_pow2 import mark_pow2
+from .pow2 import pow2_decompose, pow2_round_positive_or_one
 
 
 class AnyScaleArray(ScaledArray):
@@ -42,6 +46,8 @@ def promote(value: Any, scalar: np.ndarray | None) -> ScaledArray:
     """Promote the unscaled floating ``value`` (``scalar``: its constant value, if known)."""
     scale_dtype = get_scalify_config().scale_dtype
     if scalar is None:
+        if np.ndim(value) == 0:
+            return split_traced_scalar(value, scale_dtype)
         return ScaledArray(value, np.ones((), scale_dtype))
     if scalar == 0 or np.isinf(scalar):
         return AnyScaleArray(value, np.ones((), scale_dtype))
@@ -62,3 +68,21 @@ def nearest_pow2_split(scalar: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if abs(mantissa) > np.sqrt(2):
         scale, mantissa = scale * 2, mantissa / 2
     return scale, mantissa
+
+
+def split_traced_scalar(value: Any, scale_dtype) -> ScaledArray:
+    """Split a 0-d value known only at run time at its nearest power of two.
+
+    Scale rule: ``scale = 2**round(log2|x|)`` and ``data = x / scale`` in
+    ``[sqrt(1/2), sqrt(2))`` (exact: dividing by a power of two). Zero, ±inf and nan get
+    scale 1 (their data is the value). With scale 1 for every traced scalar, an update
+    ``-lr * m / sqrt(v)`` with ``lr ~ 1e-3`` would get scale ~1 and ``params + update``
+    would move the weights to scale 1, leaving their data far below unit RMS.
+    """
+    x = lax.convert_element_type(value, scale_dtype)
+    magnitude = lax.abs(x) * np.asarray(np.sqrt(2), scale_dtype)
+    finite = lax.is_finite(magnitude)
+    magnitude = lax.select(finite, magnitude, lax.full_like(magnitude, 0))
+    scale = mark_pow2(pow2_round_positive_or_one(magnitude, Pow2RoundMode.DOWN))
+    data = lax.convert_element_type(lax.div(x, scale), value.dtype)
+    return ScaledArray(data, scale)

@@ -44,6 +44,7 @@ from ..core.interpreter import eval_scaled_jaxpr, unpromoted_inputs
 from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..core.promotion import AnyScaleArray
 from ..core.registry import register_scaled_op
+from ..core.vma import varying_axes
 from .base_scaling import as_scale, is_numpy, mul_data, scale_div
 from .rules_reduce import _unit_scaled_sum
 
@@ -81,18 +82,6 @@ def _axis_names(axes: Any) -> tuple:
     return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
 
 
-def _varying_axes(x: Any) -> frozenset | None:
-    """Mesh axes along which ``x`` varies, from its type (``check_vma``); None if unknown."""
-    if is_numpy(x):
-        return frozenset()
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(manual.varying)
-    vma = getattr(aval, "vma", None)  # the attribute's name in earlier JAX releases
-    return None if vma is None else frozenset(vma)
-
-
 def _scale_may_vary(x: ScaledArray, axes: Sequence) -> bool:
     """Whether ``x``'s scale may differ between the devices of ``axes``.
 
@@ -100,7 +89,7 @@ def _scale_may_vary(x: ScaledArray, axes: Sequence) -> bool:
     tracked (``check_vma=True``): the data of a collective varies along its axes, so data
     typed invariant means "not tracked" and the scale is assumed to possibly vary.
     """
-    scale_axes, data_axes = _varying_axes(x.scale), _varying_axes(x.data)
+    scale_axes, data_axes = varying_axes(x.scale), varying_axes(x.data)
     if scale_axes is None or data_axes is None:
         return not is_numpy(x.scale)
     if not data_axes:
@@ -243,7 +232,7 @@ def _sync_output(x: ScaledArray, manual_axes: frozenset, check_vma: bool) -> tup
         return x.data, jax.numpy.asarray(scale)
     axes = manual_axes
     if check_vma:
-        varying = _varying_axes(scale)
+        varying = varying_axes(scale)
         axes = manual_axes if varying is None else varying & manual_axes
     if not axes:
         return x.data, scale

@@ -104,6 +104,33 @@ def test_scalar_constants_fold_into_the_scale():
     assert float(out.scale) == 0.125
     np.testing.assert_array_equal(out.data, X)
 
+@pytest.mark.parametrize("lr, expected_scale", [(1e-3, 2.0**-10), (3e-3, 2.0**-8), (0.0, 1.0), (np.inf, 1.0)])
+def test_traced_scalars_are_split_at_run_time(lr, expected_scale):
+    """A learning rate known only at run time carries its magnitude into the scale."""
+    fn = jax.jit(jsa.scalify(lambda a, lr: a * lr))
+    out = fn(scaled(X, 1.0), np.float32(lr))
+    assert float(out.scale) == expected_scale
+    np.testing.assert_array_equal(out.to_array(), X * np.float32(lr))
+
+
+def test_scheduled_learning_rate_keeps_the_weight_scale():
+    """``w + (-lr * u)`` with a scheduled ``lr`` keeps ``w``'s scale (regression: it became 1)."""
+    import optax
+
+    w = jsa.as_scaled_array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32) * 2**-6)
+    opt = optax.sgd(optax.linear_schedule(1e-4, 1e-3, 10))
+
+    @jax.jit
+    @jsa.scalify
+    def step(w, state):
+        updates, state = opt.update(w, state, w)
+        return optax.apply_updates(w, updates), state
+
+    new_w, _ = step(w, opt.init(w.to_array()))
+    assert float(new_w.scale) == float(w.scale) <= 2.0**-6
+    np.testing.assert_allclose(new_w.to_array(), w.to_array() * (1 - 1e-4), rtol=1e-6)
+
+
 
 def test_static_arguments_are_baked_in():
     out = jsa.scalify(lambda a, dtype: a.astype(dtype))(scaled(X, 2.0), jnp.float16)
