@@ -148,7 +148,7 @@ def rescale(x: ScaledArray, new_scale: Array) -> ScaledArray:
     if x.scale is new_scale:
         return x
     scale = as_scale(x.scale)
-    if scale is new_scale:
+    if scale is new_scale or (is_numpy(scale) and is_numpy(new_scale) and np.array_equal(scale, new_scale)):
         return ScaledArray(x.data, new_scale)
     return ScaledArray(mul_data(x.data, scale / new_scale), new_scale)
 
@@ -157,7 +157,9 @@ def largest_scale(operands: Sequence[ScaledArray]) -> Array:
     """The largest scale among the operands that have one (any-scale operands skipped).
 
     Operands sharing one scale object count once (no ``max(s, s)`` equation); the result is
-    marked a power of two when every scale is one.
+    marked a power of two when every scale is one. If the largest of several scales is 0
+    (every operand asserted zero) the result is 1, so rescaling to it gives 0 rather than
+    ``0 / 0``.
     """
     scales = []
     for x in operands:
@@ -170,6 +172,8 @@ def largest_scale(operands: Sequence[ScaledArray]) -> Array:
     out = scales[0]
     for s in scales[1:]:
         out = scale_max(out, s)
+    if len(scales) > 1:
+        out = select(out == 0, as_scale(1), out)
     return mark_pow2(out) if all_known_pow2(*scales) else out
 
 

@@ -83,7 +83,9 @@ def _aligned_wide_data(operands: Sequence[ScaledArray]) -> list[Array]:
     out = []
     for x in operands:
         data = _widen(x.data)
-        out.append(data if is_any_scale(x) else mul_data(data, as_scale(x.scale) / scale))
+        own = as_scale(x.scale)
+        same = own is scale or (_is_numpy(own) and _is_numpy(scale) and np.array_equal(own, scale))
+        out.append(data if is_any_scale(x) or same else mul_data(data, own / scale))
     return out
 
 
@@ -224,6 +226,8 @@ def scaled_nextafter(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     the float32 value it would round back to ``a`` for narrow dtypes.
     """
     scale = as_scale(a.scale)
+    scale = select(scale == 0, as_scale(1), scale)  # a asserted zero: 0 / 0 would poison b
+    a = rescale(a, scale)
     return ScaledArray(_bind(P.nextafter_p, a, rescale(b, scale), **params), scale)
 
 

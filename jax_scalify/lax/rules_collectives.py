@@ -101,12 +101,14 @@ def _common_scale(x: ScaledArray, axes: Sequence, groups: Any) -> tuple[Array, A
     """``(data, scale)`` with the scale made equal on the devices of ``axes``: ``pmax`` of the scales.
 
     Each block's data is multiplied by ``s_i / pmax(s)``, a power of two at most 1 (exact
-    unless the block is more than the data dtype's range below the largest one).
+    unless the block is more than the data dtype's range below the largest one). A zero
+    ``pmax`` (every block asserted zero) becomes 1.
     """
     scale = as_scale(x.scale)
     if not _scale_may_vary(x, axes):
         return x.data, scale
     common = jax.lax.pmax(scale, _axis_names(axes), axis_index_groups=groups)
+    common = jax.lax.select(common == 0, jax.numpy.ones_like(common), common)  # all asserted zero
     if is_known_pow2(scale):
         mark_pow2(common)
     return mul_data(x.data, scale / common), common
@@ -237,6 +239,7 @@ def _sync_output(x: ScaledArray, manual_axes: frozenset, check_vma: bool) -> tup
     if not axes:
         return x.data, scale
     common = jax.lax.pmax(scale, tuple(sorted(axes, key=str)))
+    common = jax.lax.select(common == 0, jax.numpy.ones_like(common), common)  # all asserted zero
     if is_known_pow2(scale):
         mark_pow2(common)
     return mul_data(x.data, scale_div(scale, common)), common

@@ -65,10 +65,12 @@ def scaled_gather(operand: ScaledArray, indices: Array, *, mode: Any, fill_value
         return bind_keep_scale(P.gather_p, operand, indices, mode=mode, fill_value=fill_value, **params)
     # Out-of-bounds slots hold `fill_value` as a value: find them by gathering ones filled with 0.
     operand = with_scalar_scale(operand)
-    data = P.gather_p.bind(operand.data, indices, mode=mode, fill_value=0, **params)
+    scale = as_scale(operand.scale)
+    scale = jnp.where(scale == 0, jnp.ones_like(scale), scale)  # an asserted zero cannot hold the fill
+    data = P.gather_p.bind(rescale(operand, scale).data, indices, mode=mode, fill_value=0, **params)
     inside = P.gather_p.bind(jnp.ones_like(operand.data), indices, mode=mode, fill_value=0, **params)
-    fill = mul_data(jnp.asarray(fill_value, operand.dtype), 1 / as_scale(operand.scale))
-    return ScaledArray(jnp.where(inside != 0, data, fill), operand.scale)
+    fill = mul_data(jnp.asarray(fill_value, operand.dtype), 1 / scale)
+    return ScaledArray(jnp.where(inside != 0, data, fill), scale)
 
 
 @register_scaled_lax_op

@@ -66,14 +66,16 @@ def _scale_with_scalar_fill(operand: ScaledArray, fill: ScaledArray) -> Array:
 
     The fill is one scalar, so whether its value is the same at every scale is checked on its
     data (at run time when traced): a zero or infinite fill adopts the operand's scale
-    instead of pulling the operand's data down to its own (scale 1 for an unknown 0).
+    instead of pulling the operand's data down to its own (scale 1 for an unknown 0). A zero
+    common scale (everything asserted zero) becomes 1.
     """
     if is_any_scale(fill) or is_any_scale(operand):
         return largest_scale([operand, fill])
     npapi = np if _is_numpy(fill.data, operand.scale, fill.scale) else jnp
     free = ~npapi.isfinite(fill.data) | (fill.data == 0)
     s_operand, s_fill = as_scale(operand.scale), as_scale(fill.scale)
-    return as_scale(npapi.where(free, s_operand, npapi.maximum(s_operand, s_fill)))
+    scale = npapi.where(free, s_operand, npapi.maximum(s_operand, s_fill))
+    return as_scale(npapi.where(scale == 0, 1, scale))  # all asserted zero: 0 / 0 would poison the data
 
 
 @register_scaled_lax_op
