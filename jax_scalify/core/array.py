@@ -191,19 +191,15 @@ def _as_scaled_leaf(x: Any, scale: Array | None) -> Any:
 def _unit_rms_split(x: Array, npapi, scale_dtype) -> tuple[Array, Array]:
     """``(x / s, s)`` with ``s = pow2_round_down(rms(x))``: data of RMS in ``[1, 2)``.
 
-    For a scalar this is the exact mantissa / power-of-two split. All-zero inputs get scale
-    0, the design's "asserted zero": the first sum with them takes the other operand's scale
-    (with scale 1, a fresh Adam moment would dominate ``b * m + (1 - b) * g`` and flush small
-    gradients in FP16). Inputs with no finite RMS (inf or nan elements) keep scale 1.
+    For a scalar this is the exact mantissa / power-of-two split. All-zero and non-finite
+    inputs keep scale 1 (a 0 or inf scale would poison the rules downstream).
     """
     x = npapi.asarray(x)
     work = x.astype(np.float64 if x.dtype == np.float64 else np.float32)
     rms = npapi.sqrt(npapi.mean(npapi.square(work)))
     scale = pow2_decompose(rms)[0]
-    zero = rms == 0
     scale = npapi.where(npapi.isfinite(scale) & (scale > 0), scale, npapi.ones_like(scale))
-    data = (work / scale).astype(x.dtype)
-    return data, npapi.where(zero, npapi.zeros_like(scale), scale).astype(scale_dtype)
+    return (work / scale).astype(x.dtype), scale.astype(scale_dtype)
 
 
 def as_scaled_array(tree: Any, scale: Array | None = None) -> Any:
@@ -213,9 +209,7 @@ def as_scaled_array(tree: Any, scale: Array | None = None) -> Any:
     - without it, the scale is the power of two just below the RMS of the array, so the data
       have an RMS in ``[1, 2)`` (the unit-scaling assumption every scale rule relies on).
       For a Python float or a 0-d array this is the exact split into a mantissa in
-      ``[1, 2)`` and a power of two. All-zero arrays get scale 0 ("asserted zero", so
-      that e.g. fresh optimizer moments take the scale of what is first added to them);
-      arrays without a finite RMS get scale 1. Pass
+      ``[1, 2)`` and a power of two. All-zero or non-finite arrays get scale 1. Pass
       ``scale=1.0`` to keep the data equal to the values;
     - integer and boolean leaves are returned unchanged, and so are ``ScaledArray`` leaves.
 

@@ -75,9 +75,9 @@ def test_as_scaled_array_with_scale_and_zero_scalar():
     x = jsa.as_scaled_array(np.array([2.0, 4.0], np.float32), scale=np.float32(2.0))
     np.testing.assert_array_equal(x.data, [1.0, 2.0])
     zero = jsa.as_scaled_array(np.float32(0.0))
-    assert float(zero.scale) == 0.0 and float(zero.data) == 0.0  # "asserted zero"
+    assert float(zero.scale) == 1.0 and float(zero.data) == 0.0
     zeros = jsa.as_scaled_array(jnp.zeros((2, 3)))
-    assert float(zeros.scale) == 0.0 and not np.any(np.asarray(zeros.data))
+    assert float(zeros.scale) == 1.0 and not np.any(np.asarray(zeros.data))
     infinite = jsa.as_scaled_array(np.array([1.0, np.inf], np.float32))
     assert float(infinite.scale) == 1.0 and np.isinf(infinite.data[1])
 

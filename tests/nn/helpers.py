@@ -1,6 +1,7 @@
 """Helpers shared by the training tests of ``tests/nn``."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jax_scalify as jsa
 
@@ -8,14 +9,17 @@ import jax_scalify as jsa
 def as_scaled_state(tree, dtype):
     """Floating leaves of an optimizer state as ``ScaledArray`` with ``dtype`` data.
 
-    ``jsa.as_scaled_array`` gives all-zero leaves (fresh moments) scale 0, "this tensor is
-    zero", so the first ``b * m + (1 - b) * g`` takes the gradient's scale; other floating
-    leaves get its unit-RMS scale; the rest pass through.
+    All-zero leaves (fresh moments) get scale 0, "this tensor is zero", so the first
+    ``b * m + (1 - b) * g`` takes the gradient's scale; ``jsa.as_scaled_array`` would give
+    them scale 1, which dominates that sum and flushes small gradients in FP16. Other
+    floating leaves get ``jsa.as_scaled_array``'s unit-RMS scale; the rest pass through.
     """
 
     def leaf(x):
         if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
             return x
+        if not np.any(np.asarray(x)):
+            return jsa.ScaledArray(jnp.zeros(np.shape(x), dtype), jnp.float32(0.0))
         return jsa.as_scaled_array(jnp.asarray(x)).astype(dtype)
 
     return jax.tree.map(leaf, tree)

@@ -1,7 +1,8 @@
 """Inputs asserted zero (scale 0, the design's "the user asserts x is zero") give plain results.
 
-``as_scaled_array`` gives all-zero arrays scale 0 (e.g. Adam's initial moments), so every
-rule must accept scale-0 operands without turning ``0 / 0`` into nan. This runs every
+Users pass scale-0 arrays (e.g. fresh optimizer moments, so that the first
+``b * m + (1 - b) * g`` takes the gradient's scale), so every rule must accept scale-0
+operands without turning ``0 / 0`` into nan. This runs every
 invariance case of the test suite on all-zero floating inputs with scale 0 and compares with
 the plain function on zeros (nan where the plain function gives nan, e.g. ``0 / 0``).
 """
