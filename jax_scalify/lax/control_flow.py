@@ -43,7 +43,7 @@ from ..core.array import ScaledArray
 from ..core.interpreter import concrete_scalar, eval_scaled_jaxpr, unpromoted_inputs
 from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..core.registry import ScaledPrimitiveType, lax_primitive, primitive_of, register_scaled_op
-from .base_scaling import as_scale, mul_data, rescale, scale_dtype, select
+from .base_scaling import align_to_largest, as_scale, mul_data, rescale, scale_dtype, select
 
 Array = Any
 
@@ -366,19 +366,29 @@ def scaled_while(
     cond_consts, body_consts = args[:cond_nconsts], args[cond_nconsts : cond_nconsts + body_nconsts]
     init = args[cond_nconsts + body_nconsts :]
     assumed = _Pow2Assumption(init)
+    # A batched predicate (from vmap, e.g. inside jax.scipy.special.expi) holds one flag per
+    # lane: the loop runs while any lane is active, and only active lanes take the body's value.
+    batched = cond_jaxpr.out_avals[0].shape != ()
 
     def run(scaled: tuple[bool, ...], owner: object):
+        def predicate(carry):
+            (pred,) = _eval_closed(cond_jaxpr, [*cond_consts, *carry])
+            return _plain(pred)
+
         def cond_fun(carry_flat):
             carry = _unflatten(carry_flat, scaled)
             assumed.mark(carry)
-            (pred,) = _eval_closed(cond_jaxpr, [*cond_consts, *carry])
-            return _plain(pred)
+            pred = predicate(carry)
+            return jnp.any(pred) if batched else pred
 
         def body_fun(carry_flat):
             carry = _unflatten(carry_flat, scaled)
             assumed.mark(carry)
             outs = _eval_closed(body_jaxpr, [*body_consts, *carry])
             _check_structure(owner, outs, scaled)
+            if batched:
+                active = predicate(carry)
+                outs = [_select_lanes(active, new, old) for new, old in zip(outs, carry)]
             assumed.check(owner, outs, scaled)
             return _flatten(outs, scaled)
 
@@ -388,6 +398,23 @@ def scaled_while(
     carry = _unflatten(carry_flat, scaled)
     assumed.mark(carry)
     return carry
+
+
+def _select_lanes(active: Array, new: Any, old: Any) -> Any:
+    """``new`` where ``active`` (over the leading dimensions) holds, else ``old``.
+
+    Scaled values are aligned to the larger of their two scales first, as ``select_n`` does.
+    """
+    if _is_scaled(new) or _is_scaled(old):
+        new, old = (x if _is_scaled(x) else ScaledArray(x, jnp.ones((), scale_dtype())) for x in (new, old))
+        (new, old), scale = align_to_largest([new, old])
+        return ScaledArray(_select_leading(active, new.data, old.data), scale)
+    return _select_leading(active, new, old)
+
+
+def _select_leading(active: Array, on_true: Array, on_false: Array) -> Array:
+    mask = jax.lax.broadcast_in_dim(active, np.shape(on_true), tuple(range(np.ndim(active))))
+    return jax.lax.select(mask, on_true, on_false)
 
 
 # --- cond / switch ---------------------------------------------------------------------------
