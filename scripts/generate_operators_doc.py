@@ -11,7 +11,6 @@ import sys
 
 from jax.extend.core import Primitive, primitives
 
-import jax_scalify  # noqa: F401  (registers every rule)
 from jax_scalify.core import ScaledPrimitiveType, registered_rules
 
 DOC_PATH = pathlib.Path(__file__).resolve().parent.parent / "docs" / "operators.md"

@@ -53,6 +53,22 @@ class Case:
     max_scale_exponent: int = 20
 
 
+def scaled(data, exponent: int, dtype=jnp.float32) -> jsa.ScaledArray:
+    """``data`` as ``dtype`` data with the scale ``2**exponent`` (no rebalancing)."""
+    return jsa.ScaledArray(jnp.asarray(data, dtype), jnp.float32(2.0**exponent))
+
+
+def exact_value(x) -> np.ndarray:
+    """The value of a scaled (or plain) array in float64: ``data * scale`` without rounding."""
+    if isinstance(x, jsa.ScaledArray):
+        return np.asarray(x.data, np.float64) * np.asarray(x.scale, np.float64)
+    return np.asarray(x, np.float64)
+
+
+def scale_of(x: jsa.ScaledArray) -> float:
+    return float(np.asarray(x.scale))
+
+
 def normal(*shape: int) -> ArgMaker:
     return lambda rng: rng.standard_normal(shape).astype(np.float32)
 

@@ -1,13 +1,11 @@
 """custom_scale: the plain function outside scalify, the user's scale rule under it."""
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
 
 import jax_scalify as jsa
-from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, check_case, normal
+from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, normal
 
 RULE_CALLS = []
 

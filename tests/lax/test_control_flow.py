@@ -1,16 +1,13 @@
 """Control flow under scalify: scan, while, cond/switch, checkpoint, callbacks, sharding_constraint."""
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from hypothesis import given, settings
 from jax import lax
 from jax.experimental import io_callback
 
 import jax_scalify as jsa
 from jax_scalify.lax import control_flow
-from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, check_case, integers, normal, positive
+from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, integers, normal, positive
 
 
 # --- programs ----------------------------------------------------------------------------------

@@ -1,15 +1,14 @@
 """Arithmetic rules: sums, products, selections, comparisons, casts."""
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
 from jax import lax
 
 import jax_scalify as jsa
 from jax_scalify.lax import rules_arithmetic
-from tests.invariance import invariance_test, Case, assert_pow2_scales, booleans, check_case, integers, normal, positive
+from tests.invariance import invariance_test, Case, assert_pow2_scales, booleans, integers, normal, positive
+from tests.invariance import exact_value as _value, scale_of as _scale
 
 SHAPE = (3, 4)
 
@@ -72,17 +71,6 @@ def _f16(exponent: int, shape=(4, 5), seed=0, low=1.0, high=2.0, signed=True) ->
     rng = np.random.default_rng(seed)
     data = rng.uniform(low, high, shape) * (rng.choice([-1, 1], shape) if signed else 1)
     return jsa.ScaledArray(jnp.asarray(data, jnp.float16), jnp.float32(2.0**exponent))
-
-
-def _value(x) -> np.ndarray:
-    """Exact value of a scaled (or plain) array in float64."""
-    if isinstance(x, jsa.ScaledArray):
-        return np.asarray(x.data, np.float64) * np.asarray(x.scale, np.float64)
-    return np.asarray(x, np.float64)
-
-
-def _scale(x: jsa.ScaledArray) -> float:
-    return float(np.asarray(x.scale))
 
 
 # --- float16 range robustness ----------------------------------------------------------------

@@ -1,15 +1,12 @@
 """Rules of jit, custom_jvp_call and custom_vjp_call."""
 import functools
 
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from hypothesis import given, settings
 
 import jax_scalify as jsa
-from tests.invariance import invariance_test, Case, check_case, normal
+from tests.invariance import invariance_test, Case, normal
 
 
 @jax.custom_vjp

@@ -1,14 +1,12 @@
 """Indexing rules: reads keep the scale, writes align operands, sort compares data."""
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
 from jax import lax
 
 import jax_scalify as jsa
-from tests.invariance import invariance_test, Case, assert_pow2_scales, check_case, integers, normal
+from tests.invariance import invariance_test, Case, assert_pow2_scales, integers, normal
 
 # Five indices into 4 rows: duplicates are likely, so scatter combiners are exercised.
 _ROWS = integers(5, low=0, high=4)

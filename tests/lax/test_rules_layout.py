@@ -1,14 +1,12 @@
 """Layout rules: scale-preserving ops keep the scale, concatenate and pad align operands."""
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
 from jax import lax
 
 import jax_scalify as jsa
-from tests.invariance import invariance_test, Case, assert_pow2_scales, check_case, normal
+from tests.invariance import invariance_test, Case, assert_pow2_scales, normal
 
 _PAD_CONFIG = ((1, 2, 0), (-1, 1, 1))  # edge padding, cropping and interior padding
 

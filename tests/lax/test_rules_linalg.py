@@ -1,14 +1,12 @@
 """Matmuls and convolutions under scalify: invariance, unit scaling, FP8 and float16 range."""
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
 from jax import lax
 
 import jax_scalify as jsa
-from tests.invariance import invariance_test, Case, assert_pow2_scales, check_case, integers, normal
+from tests.invariance import invariance_test, Case, assert_pow2_scales, integers, normal
 
 
 def conv1d(x, w, stride=2):

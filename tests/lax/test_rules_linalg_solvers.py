@@ -8,19 +8,18 @@ conditioned (condition number below ~20), hence rtol 1e-4 (about 20 * 2^-23 * n,
 margin) instead of the default 2e-5; gradients of eigen- and singular vectors divide by
 eigenvalue gaps and get 1e-3.
 """
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import jax.scipy.sparse.linalg
 import numpy as np
 import pytest
-from hypothesis import given, settings
 from jax import lax
 
 import jax_scalify as jsa
 from jax_scalify.lax import rules_linalg_solvers
-from tests.invariance import invariance_test, Case, assert_pow2_scales, check_case, normal
+from tests.invariance import invariance_test, Case, assert_pow2_scales, normal
+from tests.invariance import exact_value as _value, scaled as _scaled
 
 N = 4
 
@@ -145,14 +144,6 @@ test_invariance = invariance_test(INVARIANCE_CASES, max_examples=6)
 
 
 # --- helpers ---------------------------------------------------------------------------------
-def _scaled(data, exponent: int, dtype=jnp.float32) -> jsa.ScaledArray:
-    return jsa.ScaledArray(jnp.asarray(data, dtype), jnp.float32(2.0**exponent))
-
-
-def _value(x) -> np.ndarray:
-    if isinstance(x, jsa.ScaledArray):
-        return np.asarray(x.data, np.float64) * np.asarray(x.scale, np.float64)
-    return np.asarray(x, np.float64)
 
 
 def _scale(x) -> float:

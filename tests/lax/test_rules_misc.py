@@ -1,15 +1,13 @@
 """name (checkpoint_name), device_put and closed_call."""
-import hypothesis.strategies as st
 import jax
 import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from hypothesis import given, settings
 
 import jax_scalify as jsa
 from jax_scalify.lax import rules_misc
-from tests.invariance import invariance_test, Case, assert_pow2_scales, check_case, normal
+from tests.invariance import invariance_test, Case, assert_pow2_scales, normal
+from tests.invariance import scaled as _scaled
 
 SHAPE = (3, 4)
 
@@ -42,10 +40,6 @@ INVARIANCE_CASES = [
 
 
 test_invariance = invariance_test(INVARIANCE_CASES, max_examples=6)
-
-
-def _scaled(data, exponent: int, dtype=jnp.float32) -> jsa.ScaledArray:
-    return jsa.ScaledArray(jnp.asarray(data, dtype), jnp.float32(2.0**exponent))
 
 
 def test_closed_call_is_emitted_by_the_case():

@@ -1,14 +1,11 @@
 """Reductions, cumulative ops and windowed reductions under scalify."""
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from hypothesis import given, settings
 from jax import lax
 
 import jax_scalify as jsa
-from tests.invariance import invariance_test, Case, assert_pow2_scales, check_case, normal, positive
+from tests.invariance import invariance_test, Case, assert_pow2_scales, normal, positive
 
 
 def max_pool(x, window=(1, 2, 2, 1), strides=(1, 2, 2, 1), padding="VALID"):

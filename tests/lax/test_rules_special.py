@@ -1,17 +1,15 @@
 """Special functions, random sampling, bitcast and the generic reduce."""
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import jax.scipy.special as jss
 import numpy as np
-import pytest
-from hypothesis import given, settings
 from jax import lax
 
 import jax_scalify as jsa
 from jax_scalify.core import ScaledPrimitiveType, find_registered_scaled_op
 from jax_scalify.lax import rules_special
-from tests.invariance import invariance_test, Case, assert_pow2_scales, check_case, normal, positive
+from tests.invariance import invariance_test, Case, assert_pow2_scales, normal, positive
+from tests.invariance import exact_value as _value, scale_of as _scale, scaled as _scaled
 
 SHAPE = (3, 4)
 
@@ -84,18 +82,6 @@ test_invariance = invariance_test(INVARIANCE_CASES, max_examples=6)
 
 
 # --- helpers ---------------------------------------------------------------------------------
-def _scaled(data, exponent: int, dtype=jnp.float32) -> jsa.ScaledArray:
-    return jsa.ScaledArray(jnp.asarray(data, dtype), jnp.float32(2.0**exponent))
-
-
-def _value(x) -> np.ndarray:
-    if isinstance(x, jsa.ScaledArray):
-        return np.asarray(x.data, np.float64) * np.asarray(x.scale, np.float64)
-    return np.asarray(x, np.float64)
-
-
-def _scale(x: jsa.ScaledArray) -> float:
-    return float(np.asarray(x.scale))
 
 
 # --- special functions -----------------------------------------------------------------------

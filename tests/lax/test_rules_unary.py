@@ -1,15 +1,14 @@
 """Unary rules: sign changes, powers and roots, log, and the maps computed on values."""
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
 from jax import lax
 
 import jax_scalify as jsa
 from jax_scalify.lax import rules_unary
-from tests.invariance import invariance_test, Case, assert_pow2_scales, check_case, normal, positive
+from tests.invariance import invariance_test, Case, assert_pow2_scales, normal, positive
+from tests.invariance import exact_value as _value, scale_of as _scale
 
 SHAPE = (3, 4)
 
@@ -75,16 +74,6 @@ def _f16(exponent: int, seed=0, signed=True, shape=(4, 5)) -> jsa.ScaledArray:
     rng = np.random.default_rng(seed)
     data = rng.uniform(1, 2, shape) * (rng.choice([-1, 1], shape) if signed else 1)
     return _scaled(data, exponent)
-
-
-def _value(x) -> np.ndarray:
-    if isinstance(x, jsa.ScaledArray):
-        return np.asarray(x.data, np.float64) * np.asarray(x.scale, np.float64)
-    return np.asarray(x, np.float64)
-
-
-def _scale(x: jsa.ScaledArray) -> float:
-    return float(np.asarray(x.scale))
 
 
 # --- float16 range robustness ----------------------------------------------------------------

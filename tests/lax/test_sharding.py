@@ -4,17 +4,15 @@
 """
 import functools
 
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_scalify as jsa
-from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, check_case, normal
+from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, normal
 
 N = 8
 pytestmark = pytest.mark.skipif(jax.device_count() < N, reason=f"needs {N} devices (tests/conftest.py sets them)")

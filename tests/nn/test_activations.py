@@ -1,14 +1,12 @@
 """jsa.nn activations: the jax.nn function outside scalify, their scale rules under it."""
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
 
 import jax_scalify as jsa
 from jax_scalify import nn
-from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, check_case, normal
+from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, normal
 
 E4M3 = jnp.float8_e4m3fn
 

@@ -1,15 +1,13 @@
 """jsa.nn.cross_entropy: optax's integer-label cross-entropy outside scalify, exact loss split under it."""
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings
 
 import jax_scalify as jsa
 from jax_scalify import nn
-from tests.invariance import invariance_test, Case, check_case, integers, normal
+from tests.invariance import invariance_test, Case, integers, normal
 
 INVARIANCE_CASES = [
     Case("nn_cross_entropy", nn.cross_entropy, [normal(4, 6), integers(4, high=6)], grad=True),

@@ -1,14 +1,12 @@
 """jsa.nn normalisation: plain LayerNorm/RMSNorm outside scalify, unit-RMS data under it."""
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
 
 import jax_scalify as jsa
 from jax_scalify import nn
-from tests.invariance import invariance_test, Case, assert_pow2_scales, check_case, normal
+from tests.invariance import invariance_test, Case, assert_pow2_scales, normal
 
 INVARIANCE_CASES = [
     # Weighted so that the gradient of the sum is not identically zero.
