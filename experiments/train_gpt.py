@@ -97,6 +97,9 @@ def _configs() -> dict[str, RunConfig]:
         RunConfig("fp16", "FP16, no scaling", "", fp16),
         RunConfig("fp16_loss_scale", "FP16, dynamic loss scaling", "", fp16, loss_scale=True),
         RunConfig("bf16", "BF16, no scaling", "", Precision(compute=BF16)),
+        # Unscaled counterparts of #2 and #3: the same formats without scalify.
+        RunConfig("fp16_master", "FP16 + FP16 master, no scaling", "", fp16, master=F16),
+        RunConfig("fp8", "FP8 matmuls + FP16 master, no scaling", "", Precision(compute=F16, fp8=True), master=F16),
         RunConfig("scalify_fp16", "scalify FP16", "#1", scaled16, scalify=True),
         RunConfig("scalify_fp16_master", "scalify FP16 + FP16 master", "#2", scaled16, master=F16, scalify=True),
         RunConfig("scalify_fp8", "scalify FP8 matmuls", "#3", scaled8, master=F16, scalify=True),
