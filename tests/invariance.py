@@ -147,6 +147,13 @@ def check_case(case: Case, data: st.DataObject) -> None:
         assert_close_values(got_grad, expected_grad, case.rtol, case.atol)
 
 
+def primitive_names(fn: Callable[..., Any], *args) -> set[str]:
+    """Names of the primitives (sub-jaxprs included) in the jaxpr of ``fn(*args)``."""
+    names: set[str] = set()
+    _collect(jax.make_jaxpr(fn)(*args).jaxpr, names)
+    return names
+
+
 def primitives_of(case: Case) -> set[str]:
     """Names of the primitives (sub-jaxprs included) that ``case`` exercises."""
     rng = np.random.default_rng(0)

@@ -17,7 +17,7 @@ to N-d ones (``mul a 2.0:f32[]``) work as in the plain program.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -262,58 +262,26 @@ def _compare(prim: Primitive, a: ScaledArray, b: ScaledArray, params: dict) -> A
     return prim.bind(*_aligned_wide_data([a, b]), **params)
 
 
-@register_scaled_lax_op
-def scaled_eq(a: ScaledArray, b: ScaledArray, **params) -> Array:
-    """Plain bool: eq of the data aligned to the largest scale (float32 for narrow data)."""
-    return _compare(P.eq_p, a, b, params)
+def _comparison_rule(prim: Primitive, kind: str = "") -> Callable[..., Array]:
+    """Register and return the rule ``scaled_<name>``: a plain bool from the aligned data."""
+
+    def rule(a: ScaledArray, b: ScaledArray, **params) -> Array:
+        return _compare(prim, a, b, params)
+
+    rule.__name__ = rule.__qualname__ = f"scaled_{prim.name}"
+    rule.__doc__ = f"Plain bool: {kind}{prim.name.removesuffix('_to')} of the data aligned to the largest scale (float32 for narrow data)."
+    return register_scaled_op(prim, rule)
 
 
-@register_scaled_lax_op
-def scaled_ne(a: ScaledArray, b: ScaledArray, **params) -> Array:
-    """Plain bool: ne of the data aligned to the largest scale (float32 for narrow data)."""
-    return _compare(P.ne_p, a, b, params)
-
-
-@register_scaled_lax_op
-def scaled_lt(a: ScaledArray, b: ScaledArray, **params) -> Array:
-    """Plain bool: lt of the data aligned to the largest scale (float32 for narrow data)."""
-    return _compare(P.lt_p, a, b, params)
-
-
-@register_scaled_lax_op
-def scaled_le(a: ScaledArray, b: ScaledArray, **params) -> Array:
-    """Plain bool: le of the data aligned to the largest scale (float32 for narrow data)."""
-    return _compare(P.le_p, a, b, params)
-
-
-@register_scaled_lax_op
-def scaled_gt(a: ScaledArray, b: ScaledArray, **params) -> Array:
-    """Plain bool: gt of the data aligned to the largest scale (float32 for narrow data)."""
-    return _compare(P.gt_p, a, b, params)
-
-
-@register_scaled_lax_op
-def scaled_ge(a: ScaledArray, b: ScaledArray, **params) -> Array:
-    """Plain bool: ge of the data aligned to the largest scale (float32 for narrow data)."""
-    return _compare(P.ge_p, a, b, params)
-
-
-@register_scaled_lax_op
-def scaled_eq_to(a: ScaledArray, b: ScaledArray, **params) -> Array:
-    """Plain bool: total-order eq of the data aligned to the largest scale (float32 for narrow data)."""
-    return _compare(P.eq_to_p, a, b, params)
-
-
-@register_scaled_lax_op
-def scaled_lt_to(a: ScaledArray, b: ScaledArray, **params) -> Array:
-    """Plain bool: total-order lt of the data aligned to the largest scale (float32 for narrow data)."""
-    return _compare(P.lt_to_p, a, b, params)
-
-
-@register_scaled_lax_op
-def scaled_le_to(a: ScaledArray, b: ScaledArray, **params) -> Array:
-    """Plain bool: total-order le of the data aligned to the largest scale (float32 for narrow data)."""
-    return _compare(P.le_to_p, a, b, params)
+scaled_eq = _comparison_rule(P.eq_p)
+scaled_ne = _comparison_rule(P.ne_p)
+scaled_lt = _comparison_rule(P.lt_p)
+scaled_le = _comparison_rule(P.le_p)
+scaled_gt = _comparison_rule(P.gt_p)
+scaled_ge = _comparison_rule(P.ge_p)
+scaled_eq_to = _comparison_rule(P.eq_to_p, "total-order ")
+scaled_lt_to = _comparison_rule(P.lt_to_p, "total-order ")
+scaled_le_to = _comparison_rule(P.le_to_p, "total-order ")
 
 
 # --- scale-keeping maps ----------------------------------------------------------------------

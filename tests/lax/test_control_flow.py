@@ -8,6 +8,7 @@ from jax.experimental import io_callback
 import jax_scalify as jsa
 from jax_scalify.lax import control_flow
 from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, integers, normal, positive
+from tests.invariance import primitive_names as primitives_in
 
 
 # --- programs ----------------------------------------------------------------------------------
@@ -155,19 +156,6 @@ def scaled(x, exponent):
 
 def value(x):
     return np.asarray(x.to_array(np.float32) if isinstance(x, jsa.ScaledArray) else x, np.float64)
-
-
-def primitives_in(fn, *args):
-    names = set()
-
-    def collect(jaxpr):
-        for eqn in jaxpr.eqns:
-            names.add(eqn.primitive.name)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                collect(getattr(sub, "jaxpr", sub))
-
-    collect(jax.make_jaxpr(fn)(*args).jaxpr)
-    return names
 
 
 RNG = np.random.default_rng(0)

@@ -31,6 +31,7 @@ from jax import lax
 
 import jax_scalify as jsa
 from tests.invariance import assert_close_values, assert_pow2_scales
+from tests.invariance import primitive_names as _primitive_names
 from tests.models import (
     cnn_batch,
     cnn_loss,
@@ -266,14 +267,3 @@ def test_optax_update_on_scaled_params_and_state_gives_pow2_scaled_outputs(optim
 
 
 # --- helpers -----------------------------------------------------------------------------------
-def _primitive_names(fn, *args) -> set[str]:
-    names: set[str] = set()
-
-    def collect(jaxpr):
-        for eqn in jaxpr.eqns:
-            names.add(eqn.primitive.name)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                collect(getattr(sub, "jaxpr", sub))
-
-    collect(jax.make_jaxpr(fn)(*args).jaxpr)
-    return names
