@@ -10,7 +10,8 @@ scalar constant. When such a value meets a scaled one, it is promoted:
   nearest to it) and a mantissa in ``[sqrt(1/2), sqrt(2))`` (``x * 8.0`` folds ``2**3``
   into the scale, ``x * 0.999`` keeps ``x``'s scale);
 - a traced 0-d value (a learning rate from a schedule, a bias correction) is split at run
-  time the same way, so ``lr * update`` carries ``lr``'s magnitude in its scale;
+  time the same way, so ``lr * update`` carries ``lr``'s magnitude in its scale (a traced
+  zero gets scale 0);
 - every other floating array gets scale 1.
 """
 from __future__ import annotations
@@ -74,15 +75,18 @@ def split_traced_scalar(value: Any, scale_dtype) -> ScaledArray:
     """Split a 0-d value known only at run time at its nearest power of two.
 
     Scale rule: ``scale = 2**round(log2|x|)`` and ``data = x / scale`` in
-    ``[sqrt(1/2), sqrt(2))`` (exact: dividing by a power of two). Zero, ±inf and nan get
-    scale 1 (their data is the value). With scale 1 for every traced scalar, an update
-    ``-lr * m / sqrt(v)`` with ``lr ~ 1e-3`` would get scale ~1 and ``params + update``
-    would move the weights to scale 1, leaving their data far below unit RMS.
+    ``[sqrt(1/2), sqrt(2))`` (exact: dividing by a power of two). Zero gets scale 0 ("asserted
+    zero", so ``0 * u`` does not pull a sum towards scale 1: the first learning rate of a
+    warmup schedule is 0); ±inf and nan get scale 1 (their data is the value). With scale 1
+    for every traced scalar, an update ``-lr * m / sqrt(v)`` with ``lr ~ 1e-3`` would get
+    scale ~1 and ``params + update`` would move the weights to scale 1, leaving their data
+    far below unit RMS.
     """
     x = lax.convert_element_type(value, scale_dtype)
     magnitude = lax.abs(x) * np.asarray(np.sqrt(2), scale_dtype)
     finite = lax.is_finite(magnitude)
     magnitude = lax.select(finite, magnitude, lax.full_like(magnitude, 0))
-    scale = mark_pow2(pow2_round_positive_or_one(magnitude, Pow2RoundMode.DOWN))
+    scale = pow2_round_positive_or_one(magnitude, Pow2RoundMode.DOWN)
     data = lax.convert_element_type(lax.div(x, scale), value.dtype)
-    return ScaledArray(data, scale)
+    scale = lax.select(lax.eq(x, lax.full_like(x, 0)), lax.full_like(scale, 0), scale)
+    return ScaledArray(data, mark_pow2(scale))

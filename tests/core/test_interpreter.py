@@ -104,7 +104,7 @@ def test_scalar_constants_fold_into_the_scale():
     assert float(out.scale) == 0.125
     np.testing.assert_array_equal(out.data, X)
 
-@pytest.mark.parametrize("lr, expected_scale", [(1e-3, 2.0**-10), (3e-3, 2.0**-8), (0.0, 1.0), (np.inf, 1.0)])
+@pytest.mark.parametrize("lr, expected_scale", [(1e-3, 2.0**-10), (3e-3, 2.0**-8), (0.0, 0.0), (np.inf, 1.0)])
 def test_traced_scalars_are_split_at_run_time(lr, expected_scale):
     """A learning rate known only at run time carries its magnitude into the scale."""
     fn = jax.jit(jsa.scalify(lambda a, lr: a * lr))
@@ -129,6 +129,24 @@ def test_scheduled_learning_rate_keeps_the_weight_scale():
     new_w, _ = step(w, opt.init(w.to_array()))
     assert float(new_w.scale) == float(w.scale) <= 2.0**-6
     np.testing.assert_allclose(new_w.to_array(), w.to_array() * (1 - 1e-4), rtol=1e-6)
+
+
+def test_zero_learning_rate_keeps_the_weight_scale():
+    """A warmup schedule starts at lr = 0: the zero update must not move the weights' scale."""
+    import optax
+
+    w = jsa.as_scaled_array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32) * 2**-6)
+    opt = optax.adam(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100))
+
+    @jax.jit
+    @jsa.scalify
+    def step(w, state):
+        updates, state = opt.update(w, state, w)
+        return optax.apply_updates(w, updates), state
+
+    new_w, _ = step(w, opt.init(w.to_array()))
+    assert float(new_w.scale) == float(w.scale)
+    np.testing.assert_array_equal(new_w.to_array(), w.to_array())
 
 
 
