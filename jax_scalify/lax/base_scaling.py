@@ -153,6 +153,16 @@ def rescale(x: ScaledArray, new_scale: Array) -> ScaledArray:
     return ScaledArray(mul_data(x.data, scale / new_scale), new_scale)
 
 
+def zero_to_one(scale: Array) -> Array:
+    """``scale`` with 0 replaced by 1: a common scale that can hold a non-zero value.
+
+    A zero common scale means every operand was asserted zero; rescaling to it would compute
+    ``0 / 0``. Keeps the power-of-two mark (1 is a power of two).
+    """
+    out = select(scale == 0, np.ones(np.shape(scale), scale.dtype), scale)
+    return mark_pow2(out) if is_known_pow2(scale) else out
+
+
 def largest_scale(operands: Sequence[ScaledArray]) -> Array:
     """The largest scale among the operands that have one (any-scale operands skipped).
 
@@ -173,7 +183,7 @@ def largest_scale(operands: Sequence[ScaledArray]) -> Array:
     for s in scales[1:]:
         out = scale_max(out, s)
     if len(scales) > 1:
-        out = select(out == 0, as_scale(1), out)
+        out = zero_to_one(out)
     return mark_pow2(out) if all_known_pow2(*scales) else out
 
 
@@ -195,6 +205,7 @@ __all__ = [
     "as_scale",
     "is_any_scale",
     "is_known_pow2",
+    "zero_to_one",
     "is_numpy",
     "mark_pow2",
     "largest_scale",

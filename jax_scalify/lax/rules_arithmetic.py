@@ -44,6 +44,7 @@ from .base_scaling import (
     scale_min,
     scale_mul,
     select,
+    zero_to_one,
     to_float32_value,
 )
 
@@ -226,7 +227,7 @@ def scaled_nextafter(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     the float32 value it would round back to ``a`` for narrow dtypes.
     """
     scale = as_scale(a.scale)
-    scale = select(scale == 0, as_scale(1), scale)  # a asserted zero: 0 / 0 would poison b
+    scale = zero_to_one(scale)  # a asserted zero: 0 / 0 would poison b
     a = rescale(a, scale)
     return ScaledArray(_bind(P.nextafter_p, a, rescale(b, scale), **params), scale)
 

@@ -45,7 +45,7 @@ from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..core.promotion import AnyScaleArray
 from ..core.registry import register_scaled_op
 from ..core.vma import varying_axes
-from .base_scaling import as_scale, is_numpy, mul_data, scale_div
+from .base_scaling import as_scale, is_numpy, mul_data, scale_div, zero_to_one
 from .rules_reduce import _unit_scaled_sum
 
 Array = Any
@@ -108,7 +108,7 @@ def _common_scale(x: ScaledArray, axes: Sequence, groups: Any) -> tuple[Array, A
     if not _scale_may_vary(x, axes):
         return x.data, scale
     common = jax.lax.pmax(scale, _axis_names(axes), axis_index_groups=groups)
-    common = jax.lax.select(common == 0, jax.numpy.ones_like(common), common)  # all asserted zero
+    common = zero_to_one(common)  # all asserted zero
     if is_known_pow2(scale):
         mark_pow2(common)
     return mul_data(x.data, scale / common), common
@@ -239,7 +239,7 @@ def _sync_output(x: ScaledArray, manual_axes: frozenset, check_vma: bool) -> tup
     if not axes:
         return x.data, scale
     common = jax.lax.pmax(scale, tuple(sorted(axes, key=str)))
-    common = jax.lax.select(common == 0, jax.numpy.ones_like(common), common)  # all asserted zero
+    common = zero_to_one(common)  # all asserted zero
     if is_known_pow2(scale):
         mark_pow2(common)
     return mul_data(x.data, scale_div(scale, common)), common

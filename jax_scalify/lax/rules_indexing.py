@@ -24,7 +24,7 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
 from ..core.registry import register_scalar_preserving, register_scaled_lax_op
-from .base_scaling import align_to_largest, as_scale, mul_data, rescale
+from .base_scaling import align_to_largest, as_scale, mul_data, rescale, zero_to_one
 from .rules_layout import bind_aligned, bind_keep_scale, with_scalar_scale
 
 Array = Any
@@ -66,7 +66,7 @@ def scaled_gather(operand: ScaledArray, indices: Array, *, mode: Any, fill_value
     # Out-of-bounds slots hold `fill_value` as a value: find them by gathering ones filled with 0.
     operand = with_scalar_scale(operand)
     scale = as_scale(operand.scale)
-    scale = jnp.where(scale == 0, jnp.ones_like(scale), scale)  # an asserted zero cannot hold the fill
+    scale = zero_to_one(scale)  # an asserted zero cannot hold the fill
     data = P.gather_p.bind(rescale(operand, scale).data, indices, mode=mode, fill_value=0, **params)
     inside = P.gather_p.bind(jnp.ones_like(operand.data), indices, mode=mode, fill_value=0, **params)
     fill = mul_data(jnp.asarray(fill_value, operand.dtype), 1 / scale)

@@ -26,7 +26,7 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
 from ..core.registry import primitive_of, register_scalar_preserving, register_scaled_lax_op, register_scaled_op
-from .base_scaling import align_to_largest, as_scale, is_any_scale, largest_scale, rescale
+from .base_scaling import align_to_largest, as_scale, is_any_scale, largest_scale, rescale, zero_to_one
 
 Array = Any
 
@@ -75,7 +75,7 @@ def _scale_with_scalar_fill(operand: ScaledArray, fill: ScaledArray) -> Array:
     free = ~npapi.isfinite(fill.data) | (fill.data == 0)
     s_operand, s_fill = as_scale(operand.scale), as_scale(fill.scale)
     scale = npapi.where(free, s_operand, npapi.maximum(s_operand, s_fill))
-    return as_scale(npapi.where(scale == 0, 1, scale))  # all asserted zero: 0 / 0 would poison the data
+    return zero_to_one(as_scale(scale))  # all asserted zero: 0 / 0 would poison the data
 
 
 @register_scaled_lax_op
