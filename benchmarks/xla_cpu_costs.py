@@ -1,0 +1,83 @@
+"""What XLA:CPU charges at compile time for the shapes of code that scale arithmetic produces.
+
+Run: ``python -m benchmarks.xla_cpu_costs``. Compiles small programs of ``n`` independent
+elementwise "rescale" kernels (``x * k + i`` on a 256x1024 array, ``k`` a scalar) and
+reports the compile CPU time per kernel when ``k`` is
+
+- ``param``: a scalar read from an input (the cheapest possible scale);
+- ``divide``: the quotient of two input scalars. XLA treats a scalar ``divide`` (like
+  ``sqrt``) as expensive and does not duplicate it into the kernel that broadcasts it, so
+  it becomes a kernel of its own;
+- ``chain-L``: ``L`` cheap scalar operations (multiply-add) on input scalars. XLA
+  duplicates cheap scalar chains into every kernel that consumes them.
+
+These costs, measured on the machine at hand, explain where the compile-time overhead of a
+scalified step goes (``docs/benchmarks.md``): a scale rule that divides costs a kernel; one
+that does not costs its chain of operations again in every kernel that uses the scale.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def _program(n: int, kind: str, chain: int):
+    def fn(x, s):
+        outs = []
+        for i in range(n):
+            if kind == "param":
+                k = s[i]
+            elif kind == "divide":
+                k = s[i] / s[i + 1]
+            else:
+                k = s[i]
+                for j in range(chain // 2):
+                    k = k * s[i + j + 1] + 1.0
+            outs.append(x * k + i)
+        return outs
+
+    return fn
+
+
+def compile_cpu_seconds(fn, *args, rounds: int) -> float:
+    samples = []
+    for _ in range(rounds):
+        jax.clear_caches()
+        start = time.process_time()
+        jax.jit(fn).lower(*args).compile()
+        samples.append(time.process_time() - start)
+    return statistics.median(samples)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", type=int, default=32, help="number of rescale kernels")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    n = args.kernels
+    x = jnp.ones((256, 1024), jnp.float32)
+    s = jnp.ones(2 * n + 200, jnp.float32)
+    base = compile_cpu_seconds(_program(0, "param", 0), x, s, rounds=args.rounds)
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}; {n} kernels of x * k + i, x 256x1024 float32")
+    print(f"{'k':<12}{'compile cpu s':>15}{'ms per kernel':>15}")
+    per_param = None
+    for kind, chain in [("param", 0), ("divide", 0), ("chain", 10), ("chain", 40), ("chain", 160)]:
+        seconds = compile_cpu_seconds(_program(n, kind, chain), x, s, rounds=args.rounds)
+        per_kernel = 1e3 * (seconds - base) / n
+        label = kind if kind != "chain" else f"chain-{chain}"
+        extra = ""
+        if kind == "param":
+            per_param = per_kernel
+        elif kind == "chain":
+            extra = f"   ({(per_kernel - per_param) / chain:.2f} ms per scalar op per kernel)"
+        else:
+            extra = f"   ({per_kernel - per_param:.2f} ms for the divide's own kernel)"
+        print(f"{label:<12}{seconds:>15.3f}{per_kernel:>15.2f}{extra}")
+
+
+if __name__ == "__main__":
+    main()
