@@ -47,6 +47,27 @@ def _batch_scale_to_scalar(scale, bdim):
     return scale if bdim is None else jnp.max(scale, axis=bdim)
 
 
+def _instantiate(tangent, primal):
+    return ad.instantiate_zeros(tangent) if isinstance(tangent, ad.Zero) else tangent
+
+
+def _define_identity_with_scale_operand(prim: Primitive) -> None:
+    """Register ``prim(x, scale)`` as the identity on ``x`` outside scalify.
+
+    Evaluation, lowering, JVP, transpose and batching all pass ``x`` through; the scalar
+    scale operand gets no gradient, and under ``vmap`` a batched scale becomes its maximum.
+    """
+    prim.def_abstract_eval(lambda x, scale: x)
+    prim.def_impl(lambda x, scale: x)
+    mlir.register_lowering(prim, mlir.lower_fun(lambda x, scale: x, multiple_results=False))
+    ad.primitive_jvps[prim] = lambda primals, tangents: (prim.bind(*primals), _instantiate(tangents[0], primals[0]))
+    ad.primitive_transposes[prim] = lambda ct, x, scale: [ct, None]
+    batching.primitive_batchers[prim] = lambda args, dims: (
+        prim.bind(args[0], _batch_scale_to_scalar(args[1], dims[1])),
+        dims[0],
+    )
+
+
 # --- set_scaling -----------------------------------------------------------------------------
 set_scaling_p = Primitive("set_scaling")
 
@@ -62,19 +83,7 @@ def set_scaling(x: Array, scale: Array) -> Array:
     return set_scaling_p.bind(x, _scalar_scale("set_scaling", scale))
 
 
-set_scaling_p.def_abstract_eval(lambda x, scale: x)
-set_scaling_p.def_impl(lambda x, scale: x)
-mlir.register_lowering(set_scaling_p, mlir.lower_fun(lambda x, scale: x, multiple_results=False))
-ad.primitive_jvps[set_scaling_p] = lambda primals, tangents: (set_scaling_p.bind(*primals), _instantiate(tangents[0], primals[0]))
-ad.primitive_transposes[set_scaling_p] = lambda ct, x, scale: [ct, None]
-batching.primitive_batchers[set_scaling_p] = lambda args, dims: (
-    set_scaling_p.bind(args[0], _batch_scale_to_scalar(args[1], dims[1])),
-    dims[0],
-)
-
-
-def _instantiate(tangent, primal):
-    return ad.instantiate_zeros(tangent) if isinstance(tangent, ad.Zero) else tangent
+_define_identity_with_scale_operand(set_scaling_p)
 
 
 @register_scaled_op(set_scaling_p, scaled_type=ScaledPrimitiveType.ALWAYS_SCALE)
@@ -192,15 +201,7 @@ def rebalance(x: Array, factor: Array) -> Array:
     return rebalance_p.bind(x, _scalar_scale("rebalance", factor))
 
 
-rebalance_p.def_abstract_eval(lambda x, factor: x)
-rebalance_p.def_impl(lambda x, factor: x)
-mlir.register_lowering(rebalance_p, mlir.lower_fun(lambda x, factor: x, multiple_results=False))
-ad.primitive_jvps[rebalance_p] = lambda primals, tangents: (rebalance_p.bind(*primals), _instantiate(tangents[0], primals[0]))
-ad.primitive_transposes[rebalance_p] = lambda ct, x, factor: [ct, None]
-batching.primitive_batchers[rebalance_p] = lambda args, dims: (
-    rebalance_p.bind(args[0], _batch_scale_to_scalar(args[1], dims[1])),
-    dims[0],
-)
+_define_identity_with_scale_operand(rebalance_p)
 
 
 @register_scaled_op(rebalance_p, scaled_type=ScaledPrimitiveType.ALWAYS_SCALE)
