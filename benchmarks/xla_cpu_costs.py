@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+
+from .common import compile_times
 
 
 def _program(n: int, kind: str, chain: int):
@@ -44,13 +45,8 @@ def _program(n: int, kind: str, chain: int):
 
 
 def compile_cpu_seconds(fn, *args, rounds: int) -> float:
-    samples = []
-    for _ in range(rounds):
-        jax.clear_caches()
-        start = time.process_time()
-        jax.jit(fn).lower(*args).compile()
-        samples.append(time.process_time() - start)
-    return statistics.median(samples)
+    """Median compile CPU time (trace + lower + compile, cold caches) over ``rounds``."""
+    return statistics.median(compile_times(fn, *args)[1] for _ in range(rounds))
 
 
 def main(argv=None):
