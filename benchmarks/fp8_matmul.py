@@ -6,11 +6,13 @@ On a GPU (FP8 GEMMs need compute capability >= 8.9, e.g. H100):
 
 1. matmul ``(M, K) x (K, N)``: the scalified dot_general of ``float8_e4m3fn`` data with a
    ``bfloat16`` (and a ``float32``) result, against the plain BF16 matmul; median times,
-   TFLOP/s, and whether the compiled HLO holds the cuBLASLt FP8 GEMM (``__cublas$lt$matmul$f8``)
-   with no conversion of the FP8 operands before it;
+   TFLOP/s, and whether every GEMM of the compiled HLO reads the FP8 operands as they are (a
+   cuBLASLt ``__cublas$lt$matmul$f8`` call or a Triton FP8 GEMM fusion, whichever XLA's
+   autotuner picks; see :mod:`jax_scalify.analysis.hlo`) with no conversion before it;
 2. the 4-layer GPT training step of :mod:`benchmarks.overhead` (BF16 weights), scalified,
-   with every matmul's operands cast to E4M3 (``jsa.ops.cast_on_forward``, BF16 result)
-   against the same step with BF16 matmuls.
+   with the four linear layers of each block in FP8 (:func:`jax_scalify.nn.linear`: E4M3
+   operands forward, E5M2 output cotangent backward, BF16 results) against the same step
+   with BF16 matmuls.
 
 Without a GPU it prints ``no GPU: timings skipped`` and runs tiny versions of both for
 correctness only (the FP8 results against float32 references, within FP8 round-off).
@@ -18,7 +20,6 @@ correctness only (the FP8 results against float32 references, within FP8 round-o
 from __future__ import annotations
 
 import argparse
-import re
 
 import jax
 import jax.numpy as jnp
@@ -26,11 +27,13 @@ import numpy as np
 import optax
 
 import jax_scalify as jsa
+from jax_scalify.analysis import fp8_upcasts, gemm_calls
 
 from .common import interleaved_medians
 from .overhead import GPT, gpt_init
 
 E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
 DOT_DIMS = (((1,), (0,)), ((), ()))
 
 
@@ -58,17 +61,9 @@ def fp8_operands(m: int, k: int, n: int, seed: int = 0):
 
 
 def fp8_gemm_in_hlo(hlo: str) -> tuple[bool, bool]:
-    """(a cuBLASLt FP8 GEMM takes FP8 operands, some FP8 value is converted to bf16/f32) in compiled HLO text."""
-    types = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", hlo))
-    gemm = False
-    for operands in re.findall(r"custom-call\(([^)]*)\)[^\n]*custom_call_target=\"__cublas\$lt\$matmul\$f8\"", hlo):
-        names = re.findall(r"%[\w.\-]+", operands)
-        gemm = gemm or (len(names) >= 2 and all(types.get(n, "").startswith("f8") for n in names[:2]))
-    upcast = any(
-        out in ("bf16", "f32") and types.get(src, "").startswith("f8")
-        for out, src in re.findall(r"= (\w+)\[[^\]]*\]\S* convert\((%[\w.\-]+)\)", hlo)
-    )
-    return gemm, upcast
+    """(every GEMM of the compiled program reads FP8 operands, some FP8 value is converted to a wider type)."""
+    calls = gemm_calls(hlo)
+    return bool(calls) and all(call.is_fp8 for call in calls), bool(fp8_upcasts(hlo))
 
 
 def matmul_benchmark(size: int, rounds: int) -> None:
@@ -90,13 +85,16 @@ def matmul_benchmark(size: int, rounds: int) -> None:
 
 # --- GPT step with FP8 matmuls --------------------------------------------------------------------
 def make_matmul(fp8: bool):
-    """``x @ w``; with ``fp8`` both operands are cast to E4M3 and the result is BF16."""
+    """``x @ w``; with ``fp8`` the FP8 recipe of :func:`jax_scalify.nn.linear`.
+
+    Forward: both operands cast to E4M3; backward: the output cotangent cast to E5M2, so the
+    two gradient matmuls are FP8 too (E5M2 x E4M3). All three accumulate into BF16.
+    """
 
     def matmul(x, w):
         if not fp8:
             return x @ w
-        x8, w8 = jsa.ops.cast_on_forward(x, E4M3), jsa.ops.cast_on_forward(w, E4M3)
-        return jnp.matmul(x8, w8, preferred_element_type=jnp.bfloat16)
+        return jsa.nn.linear(x, w, fwd_dtype=E4M3, bwd_dtype=E5M2, preferred_element_type=jnp.bfloat16)
 
     return matmul
 
@@ -150,8 +148,13 @@ def gpt_benchmark(rounds: int) -> None:
         runs[name] = (jax.jit(jsa.scalify(step)), gpt_inputs(GPT, opt))
     times = interleaved_medians({n: (lambda f=f, a=a: f(*a)) for n, (f, a) in runs.items()}, rounds)
     print(f"GPT step (scalified, BF16 weights, {GPT})")
-    for name in runs:
-        print(f"{name:<20}{1e3 * times[name]:>10.2f} ms{times['bf16 matmuls'] / times[name]:>9.2f}x vs bf16")
+    for name, (fn, args) in runs.items():
+        hlo = fn.lower(*args).compile().as_text()
+        calls = gemm_calls(hlo)
+        print(
+            f"{name:<20}{1e3 * times[name]:>10.2f} ms{times['bf16 matmuls'] / times[name]:>9.2f}x vs bf16"
+            f"   {sum(c.is_fp8 for c in calls)} of {len(calls)} GEMMs FP8, {len(fp8_upcasts(hlo))} FP8 upcasts"
+        )
 
 
 # --- CPU: correctness only ------------------------------------------------------------------------

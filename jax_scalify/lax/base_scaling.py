@@ -124,16 +124,37 @@ def _wide(dtype) -> bool:
     return jnp.finfo(dtype).bits >= 32
 
 
+def _native_16bit_factor(data: Array, factor: Array) -> np.ndarray | None:
+    """``factor`` in the 16-bit data dtype when multiplying in that dtype gives the float32 result.
+
+    For a trace-time factor that the dtype holds exactly (a power of two within its range),
+    the product rounded once from float32 and the product in the data dtype are the same
+    correctly rounded value. Multiplying in the data dtype lets XLA fold the factor into a
+    neighbouring kernel (on GPU, the epilogue of a matmul), where a convert-multiply-convert
+    is a kernel of its own.
+    """
+    if jnp.finfo(data.dtype).bits != 16 or not isinstance(factor, (np.ndarray, np.generic)) or np.ndim(factor):
+        return None
+    in_dtype = np.asarray(factor, data.dtype)
+    exact = np.isfinite(factor) and factor != 0 and np.asarray(in_dtype, np.float32) == factor
+    return in_dtype if exact else None
+
+
 def mul_data(data: Array, factor: Array) -> Array:
     """``data * factor`` in the data dtype; ``factor`` a (power-of-two) scalar.
 
     Narrow dtypes (16 and 8 bits) multiply in float32 and round once, so a factor outside
-    their range (e.g. ``2**-30`` for float16) is still applied exactly before rounding.
+    their range (e.g. ``2**-30`` for float16) is still applied exactly before rounding; a
+    trace-time factor that a 16-bit dtype holds exactly multiplies in that dtype (the same
+    value, see :func:`_native_16bit_factor`).
     """
     if isinstance(factor, (np.ndarray, np.generic)) and np.all(factor == 1):
         return data
     if _wide(data.dtype):
         return data * jnp.asarray(factor).astype(data.dtype)
+    native = _native_16bit_factor(data, factor)
+    if native is not None:
+        return data * native
     return (data.astype(jnp.float32) * jnp.asarray(factor).astype(jnp.float32)).astype(data.dtype)
 
 

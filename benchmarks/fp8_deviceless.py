@@ -1,0 +1,136 @@
+"""FP8 matmuls compiled for an H100 without a GPU: which GEMMs XLA emits, on which types.
+
+Run (needs the CUDA plugin of JAX, which installs without a GPU)::
+
+    pip install "jax[cuda12]"
+    python -m benchmarks.fp8_deviceless
+
+XLA compiles ahead of time for a described GPU (compute capability 9.0, an H100 SXM) with no
+device attached ("deviceless" compilation). Without a device there is no autotuning, so XLA
+takes its default GEMM backend for each matmul; with a device the autotuner may pick another
+one (cuBLASLt or Triton), which is why the second pass compiles with Triton GEMMs disabled:
+between them the two passes cover both backends the autotuner can choose from. Nothing is
+run: the script reports, for each program, its GEMMs (backend, element types of the matrix
+operands where the GEMM reads them), the FP8-to-wider ``convert`` instructions (a
+dequantised copy would show there), and the number of kernels in the entry computation.
+"""
+from __future__ import annotations
+
+import os
+
+# Before JAX is imported: no device is needed, and none should be initialised.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import argparse  # noqa: E402
+import re  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+
+import jax_scalify as jsa  # noqa: E402
+from jax_scalify.analysis import fp8_upcasts, gemm_calls  # noqa: E402
+
+from .fp8_matmul import DOT_DIMS, E4M3, GPT, gpt_inputs, make_gpt_step  # noqa: E402
+
+# The device XLA compiles for: an H100 SXM (132 SMs, 227 KiB of shared memory per block, 50 MiB
+# of L2, 80 GB of HBM3 at 3.35 TB/s).
+H100_TARGET = """
+gpu_device_info {
+  cuda_compute_capability { major: 9 minor: 0 }
+  core_count: 132
+  fpus_per_core: 128
+  threads_per_warp: 32
+  threads_per_block_limit: 1024
+  threads_per_core_limit: 2048
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  shared_memory_per_block: 49152
+  shared_memory_per_block_optin: 232448
+  shared_memory_per_core: 233472
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  l2_cache_size: 52428800
+  memory_bandwidth: 3352320000000
+  device_memory_size: 84929347584
+  clock_rate_ghz: 1.98
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+runtime_version { major: 12 minor: 9 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+
+def h100_sharding() -> jax.sharding.NamedSharding:
+    """A replicated sharding on one compile-only H100."""
+    topology = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET, topology="1x1x1")
+    mesh = topologies.make_mesh(topology, (1,), ("d",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def abstract(tree, sharding):
+    """ShapeDtypeStructs of ``tree``'s leaves (arrays or abstract values), placed on ``sharding``."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def programs(sharding, size: int) -> dict:
+    """name -> (function, abstract arguments)."""
+
+    def dot(out_dtype):
+        return lambda a, b: jax.lax.dot_general(a, b, DOT_DIMS, preferred_element_type=out_dtype)
+
+    fp8 = jax.ShapeDtypeStruct((size, size), E4M3, sharding=sharding)
+    bf16 = jax.ShapeDtypeStruct((size, size), jnp.bfloat16, sharding=sharding)
+    scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding)
+    scaled = jsa.ScaledArray(fp8, scale)
+    out = {
+        "bf16 matmul, plain": (lambda a, b: a @ b, (bf16, bf16)),
+        "fp8 matmul -> bf16, plain": (dot(jnp.bfloat16), (fp8, fp8)),
+        "fp8 matmul -> bf16, scalify": (jsa.scalify(dot(jnp.bfloat16)), (scaled, scaled)),
+        "fp8 matmul -> f32, scalify": (jsa.scalify(dot(jnp.float32)), (scaled, scaled)),
+    }
+    for name, use_fp8 in (("GPT step, bf16 matmuls, scalify", False), ("GPT step, fp8 matmuls, scalify", True)):
+        step, opt = make_gpt_step(use_fp8)
+        out[name] = (jsa.scalify(step), abstract(jax.eval_shape(lambda: gpt_inputs(GPT, opt)), sharding))
+    return out
+
+
+def kernel_count(hlo: str) -> int:
+    """Fusions and custom calls of the entry computation (each one GPU kernel or library call)."""
+    entry = hlo[hlo.index("ENTRY") :]
+    entry = entry[: entry.find("\n}")]
+    return len(re.findall(r" (?:fusion|custom-call)\(", entry))
+
+
+def report(name: str, hlo: str) -> None:
+    calls = gemm_calls(hlo)
+    kinds = sorted({f"{c.backend}:{c.operand_types[0]}x{c.operand_types[1]}" for c in calls})
+    fp8 = sum(c.is_fp8 for c in calls)
+    print(
+        f"  {name:<34}{len(calls):>6}{fp8:>6}{len(fp8_upcasts(hlo)):>9}{kernel_count(hlo):>9}  {', '.join(kinds)}",
+        flush=True,
+    )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=4096, help="M = K = N of the single matmuls")
+    args = parser.parse_args(argv)
+    try:
+        sharding = h100_sharding()
+    except (NotImplementedError, RuntimeError) as error:
+        raise SystemExit(f"deviceless CUDA compilation is not available ({error}); install it with: pip install 'jax[cuda12]'")
+    print(f"jax {jax.__version__}, compiled for {H100_TARGET.split('device_description_str: ')[1].strip()} (no device)")
+    for title, options in (("XLA defaults (no autotuning)", {}), ("Triton GEMMs disabled", {"xla_gpu_enable_triton_gemm": False})):
+        print(f"{title}:")
+        print(f"  {'program':<34}{'GEMMs':>6}{'FP8':>6}{'upcasts':>9}{'kernels':>9}  GEMM backends: operand types")
+        for name, (fn, fn_args) in programs(sharding, args.size).items():
+            lowered = jax.jit(fn).trace(*fn_args).lower(lowering_platforms=("cuda",))
+            report(name, lowered.compile(compiler_options=options).as_text())
+
+
+if __name__ == "__main__":
+    main()
