@@ -13,6 +13,12 @@ between them the two passes cover both backends the autotuner can choose from. N
 run: the script reports, for each program, its GEMMs (backend, element types of the matrix
 operands where the GEMM reads them), the FP8-to-wider ``convert`` instructions (a
 dequantised copy would show there), and the number of kernels in the entry computation.
+
+``--overhead`` also compiles the steps of :mod:`benchmarks.overhead` (MLP and 4-layer GPT,
+float32 and float16), plain and scalified, for the H100: kernels of the entry computation
+and of the whole module (loop bodies included), and the trace+lower+compile CPU time
+(interleaved, median; cold caches). A deviceless compile skips autotuning, which a real
+device adds to both sides.
 """
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import argparse  # noqa: E402
 import re  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -32,6 +40,7 @@ from jax.experimental import topologies  # noqa: E402
 import jax_scalify as jsa  # noqa: E402
 from jax_scalify.analysis import fp8_upcasts, gemm_calls  # noqa: E402
 
+from . import overhead  # noqa: E402
 from .fp8_matmul import DOT_DIMS, E4M3, GPT, gpt_inputs, make_gpt_step  # noqa: E402
 
 # The device XLA compiles for: an H100 SXM (132 SMs, 227 KiB of shared memory per block, 50 MiB
@@ -115,9 +124,40 @@ def report(name: str, hlo: str) -> None:
     )
 
 
+def overhead_report(sharding, rounds: int) -> None:
+    steps = {
+        "mlp_fp32": (overhead.mlp_step, lambda: overhead.mlp_inputs(jnp.float32)),
+        "mlp_fp16": (overhead.mlp_step, lambda: overhead.mlp_inputs(jnp.float16)),
+        "gpt_fp32": (overhead.gpt_step, lambda: overhead.gpt_inputs(jnp.float32)),
+        "gpt_fp16": (overhead.gpt_step, lambda: overhead.gpt_inputs(jnp.float16)),
+    }
+    print(f"overhead benchmarks compiled for the H100 (compile CPU s: median of {rounds}, interleaved)")
+    print(f"  {'step':<10}{'kernels plain':>15}{'scalify':>9}{'compile plain':>15}{'scalify':>9}{'ratio':>7}")
+    for name, (step, make) in steps.items():
+        inputs = make()
+        variants = {"plain": (step, inputs), "scalify": (jsa.scalify(step), jsa.as_scaled_array(inputs))}
+        variants = {k: (fn, abstract(jax.eval_shape(lambda a=a: a), sharding)) for k, (fn, a) in variants.items()}
+        seconds = {k: [] for k in variants}
+        kernels = {}
+        for _ in range(rounds):
+            for k, (fn, fn_args) in variants.items():
+                jax.clear_caches()
+                start = time.process_time()
+                hlo = jax.jit(fn).trace(*fn_args).lower(lowering_platforms=("cuda",)).compile().as_text()
+                seconds[k].append(time.process_time() - start)
+                kernels[k] = kernel_count(hlo)
+        plain_s, scaled_s = (statistics.median(seconds[k]) for k in ("plain", "scalify"))
+        print(
+            f"  {name:<10}{kernels['plain']:>15}{kernels['scalify']:>9}{plain_s:>15.2f}{scaled_s:>9.2f}{scaled_s / plain_s:>7.2f}",
+            flush=True,
+        )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=4096, help="M = K = N of the single matmuls")
+    parser.add_argument("--overhead", action="store_true", help="also compile the overhead benchmarks' steps")
+    parser.add_argument("--rounds", type=int, default=3, help="compile rounds for --overhead")
     args = parser.parse_args(argv)
     try:
         sharding = h100_sharding()
@@ -130,6 +170,8 @@ def main(argv=None):
         for name, (fn, fn_args) in programs(sharding, args.size).items():
             lowered = jax.jit(fn).trace(*fn_args).lower(lowering_platforms=("cuda",))
             report(name, lowered.compile(compiler_options=options).as_text())
+    if args.overhead:
+        overhead_report(sharding, args.rounds)
 
 
 if __name__ == "__main__":
