@@ -71,8 +71,9 @@ def _operand_names(line: str, opcode: str) -> list[str]:
 
 
 def _pair(types: dict[str, str], names: list[str]) -> tuple[str, str]:
-    found = [types.get(name, "?") for name in names[:2]]
-    return (found + ["?", "?"])[0], (found + ["?", "?"])[1]
+    """Element types of the first two operands (the matrices); ``"?"`` where unknown."""
+    lhs, rhs = (names + ["", ""])[:2]
+    return types.get(lhs, "?"), types.get(rhs, "?")
 
 
 def _dot_operands(computation: str, computations: dict[str, str], depth: int = 0) -> list[str]:
