@@ -8,10 +8,10 @@ XLA's autotuner picks one per matmul:
 - a Triton GEMM fusion (a ``kCustom`` fusion of kind ``__triton_gemm`` or
   ``__triton_nested_gemm_fusion``) whose ``dot`` takes FP8 operands.
 
-    compiled = jax.jit(jsa.scalify(step)).lower(*args).compile()
-    calls = jsa.analysis.gemm_calls(compiled.as_text())
-    assert all(call.is_fp8 for call in calls if ...)
-    assert not jsa.analysis.fp8_upcasts(compiled.as_text())
+    hlo = jax.jit(jsa.scalify(step)).lower(*args).compile().as_text()
+    for call in jsa.analysis.gemm_calls(hlo):
+        print(call.name, call.backend, call.operand_types, call.is_fp8)
+    assert not jsa.analysis.fp8_upcasts(hlo)  # no FP8 operand dequantised before its GEMM
 
 The functions read the text of the optimised HLO module (``Compiled.as_text()``); they find
 nothing in a CPU program, whose matmuls are neither custom calls nor Triton fusions.
