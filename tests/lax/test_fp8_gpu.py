@@ -43,7 +43,10 @@ def target():
 
         return h100_sharding(), ("cuda",)
     except (ImportError, NotImplementedError, RuntimeError) as error:
-        pytest.skip(f"no GPU with FP8 GEMMs, and no deviceless CUDA compilation ({error})")
+        pytest.skip(
+            f"no GPU with FP8 GEMMs, and no deviceless CUDA compilation ({error}); to compile for an "
+            "H100 without a GPU: pip install 'jax[cuda12]' and set JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1"
+        )
 
 
 def compiled_hlo(target, fn, *args, options=None) -> str:
