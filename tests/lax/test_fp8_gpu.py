@@ -39,7 +39,7 @@ def target():
     if _local_fp8_gpu():
         return None, None
     try:
-        from benchmarks.fp8_deviceless import h100_sharding
+        from benchmarks.h100 import h100_sharding
 
         return h100_sharding(), ("cuda",)
     except (ImportError, NotImplementedError, RuntimeError) as error:
