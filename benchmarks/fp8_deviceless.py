@@ -29,7 +29,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import argparse  # noqa: E402
-import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -37,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_scalify as jsa  # noqa: E402
-from jax_scalify.analysis import fp8_upcasts, gemm_calls  # noqa: E402
+from jax_scalify.analysis import entry_kernels, fp8_upcasts, gemm_calls  # noqa: E402
 
 from . import overhead  # noqa: E402
 from .fp8_matmul import DOT_DIMS, E4M3, GPT, gpt_inputs, make_gpt_step  # noqa: E402
@@ -73,9 +72,7 @@ def programs(sharding, size: int) -> dict:
 
 def kernel_count(hlo: str) -> int:
     """Fusions and custom calls of the entry computation (each one GPU kernel or library call)."""
-    entry = hlo[hlo.index("ENTRY") :]
-    entry = entry[: entry.find("\n}")]
-    return len(re.findall(r" (?:fusion|custom-call)\(", entry))
+    return len(entry_kernels(hlo))
 
 
 def report(name: str, hlo: str) -> None:

@@ -122,6 +122,20 @@ def gemm_calls(hlo: str) -> list[GemmCall]:
     return calls
 
 
+def entry_kernels(hlo: str) -> list[str]:
+    """Result types of the fusions and custom calls of the entry computation, e.g. ``"f32[]"``.
+
+    On a GPU each is one kernel launch or library call; a result type ending in ``[]`` (or a
+    tuple of such) is a scalar kernel.
+    """
+    start = hlo.find("\nENTRY ")
+    if start < 0:
+        return []
+    end = hlo.find("\n}", start)
+    entry = hlo[start : len(hlo) if end < 0 else end]
+    return re.findall(r"= (\([^)]*\)|\S+) (?:fusion|custom-call)\(", entry)
+
+
 def fp8_upcasts(hlo: str) -> list[str]:
     """``convert`` instructions that turn an FP8 value into BF16, F16 or F32 (``"%src -> %dst"``).
 
@@ -136,4 +150,4 @@ def fp8_upcasts(hlo: str) -> list[str]:
     return found
 
 
-__all__ = ["CUBLAS_GEMM_TARGETS", "GemmCall", "TRITON_GEMM_KINDS", "fp8_upcasts", "gemm_calls"]
+__all__ = ["CUBLAS_GEMM_TARGETS", "GemmCall", "TRITON_GEMM_KINDS", "entry_kernels", "fp8_upcasts", "gemm_calls"]

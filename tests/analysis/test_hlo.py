@@ -51,3 +51,9 @@ def test_cpu_program_has_no_gpu_gemm():
 @pytest.mark.parametrize("text", ["", "HloModule empty\n\nENTRY %main () -> f32[] {\n  ROOT %c = f32[] constant(1)\n}\n"])
 def test_module_without_gemm_gives_empty_lists(text):
     assert jsa.analysis.gemm_calls(text) == [] and jsa.analysis.fp8_upcasts(text) == []
+
+
+def test_entry_kernels_lists_the_result_types_of_fusions_and_custom_calls():
+    assert jsa.analysis.entry_kernels(hlo("fp8_dot_triton")) == ["f32[]", "bf16[64,32]{1,0}"]
+    assert jsa.analysis.entry_kernels(hlo("fp8_dot_cublaslt"))[-1] == "f32[]"
+    assert jsa.analysis.entry_kernels("") == []

@@ -19,7 +19,7 @@ import pytest
 from jax import lax
 
 import jax_scalify as jsa
-from jax_scalify.analysis import fp8_upcasts, gemm_calls
+from jax_scalify.analysis import entry_kernels, fp8_upcasts, gemm_calls
 
 pytestmark = pytest.mark.gpu
 
@@ -72,14 +72,8 @@ def scaled(shape, dtype):
 
 
 def array_kernels(hlo: str) -> int:
-    """Fusions and custom calls of the entry computation that produce a non-scalar array."""
-    entry = hlo[hlo.index("ENTRY") :]
-    entry = entry[: entry.find("\n}")]
-    return sum(
-        1
-        for line in entry.splitlines()
-        if (" fusion(" in line or " custom-call(" in line) and not line.split(" = ")[1].split(" ")[0].endswith("[]")
-    )
+    """Kernels of the entry computation that produce a non-scalar array."""
+    return sum(not kernel.endswith("[]") for kernel in entry_kernels(hlo))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
