@@ -26,6 +26,9 @@ NOT_APPLICABLE = {
     "custom_scale_in_program": "test-defined rule",
 }
 CASES = [c for c in _all_cases() if c.name not in NOT_APPLICABLE]
+# The inverse of the zero matrix is non-finite everywhere, but which entries LAPACK leaves inf
+# rather than nan depends on the build: compare where the result is finite, and its values there.
+NON_FINITE_ANYHOW = {"inv"}
 
 
 def _is_float(x) -> bool:
@@ -43,4 +46,8 @@ def test_asserted_zero_inputs(case):
     got = jax.tree.leaves(jsa.asarray(jsa.scalify(case.fn)(*inputs)))
     assert len(got) == len(expected)
     for g, e in zip(got, expected):
-        np.testing.assert_array_equal(np.asarray(g, np.float64), np.asarray(e, np.float64))
+        g, e = np.asarray(g, np.float64), np.asarray(e, np.float64)
+        if case.name in NON_FINITE_ANYHOW:
+            np.testing.assert_array_equal(np.isfinite(g), np.isfinite(e))
+            g, e = np.where(np.isfinite(g), g, 0), np.where(np.isfinite(e), e, 0)
+        np.testing.assert_array_equal(g, e)
