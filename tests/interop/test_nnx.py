@@ -190,3 +190,19 @@ def test_float16_scaled_nnx_training_is_finite_and_learns():
     losses = [float(step(model, optimizer, x, y).to_array(jnp.float32)) for _ in range(20)]
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0], losses
     assert model.dense1.kernel.get_value().dtype == jnp.float16 and int(optimizer.step[...]) == 20
+
+
+def test_optimizer_created_from_the_scaled_model():
+    """Optax's zero moments of ScaledArray parameters are ScaledArray zeros of scale 0."""
+    model, ref_model = Model(nnx.Rngs(0, dropout=1)), Model(nnx.Rngs(0, dropout=1))
+    nnx.update(model, jsa.as_scaled_array(nnx.state(model)))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+    ref_optimizer = nnx.Optimizer(ref_model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+    momentum = jsa.tree.leaves(nnx.state(optimizer))
+    assert all(float(m.scale) == 0.0 for m in momentum if isinstance(m, jsa.ScaledArray))
+    step, ref_step = nnx.jit(jsa.scalify(rescaled_train_step)), nnx.jit(rescaled_train_step)
+    for _ in range(3):
+        step(model, optimizer, jsa.as_scaled_array(X), Y)
+        ref_step(ref_model, ref_optimizer, X, Y)
+    assert_same_state(model, ref_model, rtol=1e-5, atol=1e-6)
+    assert_same_state(optimizer, ref_optimizer, rtol=1e-5, atol=1e-6)
