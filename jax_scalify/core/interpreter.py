@@ -137,9 +137,15 @@ def _scalified_call(trace_cache, fun, args, kwargs):
     closed_jaxpr, out_tree, static_outs = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
     dynamic_leaves = [leaves[i] for i in dynamic]
     with known_pow2.tracking():
-        outs = iter(eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, dynamic_leaves))
-    out_leaves = [static_outs[i] if i in static_outs else _as_jax_arrays(next(outs)) for i in range(out_tree.num_leaves)]
-    return jax.tree.unflatten(out_tree, out_leaves)
+        outs = eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, dynamic_leaves)
+    return _rebuild_outputs(out_tree, static_outs, outs)
+
+
+def _rebuild_outputs(out_tree, static_outs: dict, array_outs: list):
+    """The function's outputs: the jaxpr's array outputs and the static ones in their places."""
+    arrays = iter(array_outs)
+    leaves = [static_outs[i] if i in static_outs else _as_jax_arrays(next(arrays)) for i in range(out_tree.num_leaves)]
+    return jax.tree.unflatten(out_tree, leaves)
 
 
 class _StaticArgument:
@@ -171,7 +177,7 @@ def _static_arguments(fun, static_argnums, static_argnames) -> tuple[frozenset, 
         return frozenset(argnums), frozenset(argnames)
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     argnums |= {positional.index(name) for name in argnames if name in positional}
-    argnames |= {positional[i] for i in argnums if 0 <= i < len(positional) or -len(positional) <= i < 0}
+    argnames |= {positional[i] for i in argnums if -len(positional) <= i < len(positional)}
     return frozenset(argnums), frozenset(argnames)
 
 
