@@ -166,17 +166,8 @@ def scaled_array(data: Array, scale: Array, dtype: DTypeLike = None, npapi=jnp) 
 
 
 def _as_scaled_leaf(x: Any, scale: Array | None) -> Any:
-    if isinstance(x, ScaledArray):
-        return x
-    if isinstance(x, (bool, int, np.bool_, np.integer)):
-        return x
-    if isinstance(x, float):
-        x = np.asarray(x, dtype=jnp.zeros((), float).dtype)
-    if not _is_array_like(x):
-        raise TypeError(
-            f"jsa.as_scaled_array: cannot make a ScaledArray from a leaf of type {type(x).__name__}. "
-            "Leaves must be arrays or Python numbers; keep other objects out of the tree."
-        )
+    if isinstance(x, ScaledArray) or not _is_array_like(x) or isinstance(x, (type, np.dtype)):
+        return x  # Python numbers, functions, strings, dtypes ... pass through, as eqx.partition would
     if not is_floating_dtype(x.dtype):
         return x
     scale_dtype = get_scalify_config().scale_dtype
@@ -208,10 +199,16 @@ def as_scaled_array(tree: Any, scale: Array | None = None) -> Any:
     - with ``scale`` given, floating arrays become ``ScaledArray(value / scale, scale)``;
     - without it, the scale is the power of two just below the RMS of the array, so the data
       have an RMS in ``[1, 2)`` (the unit-scaling assumption every scale rule relies on).
-      For a Python float or a 0-d array this is the exact split into a mantissa in
-      ``[1, 2)`` and a power of two. All-zero or non-finite arrays get scale 1. Pass
-      ``scale=1.0`` to keep the data equal to the values;
-    - integer and boolean leaves are returned unchanged, and so are ``ScaledArray`` leaves.
+      For a 0-d array this is the exact split into a mantissa in ``[1, 2)`` and a power of
+      two. All-zero or non-finite arrays get scale 1. Pass ``scale=1.0`` to keep the data
+      equal to the values;
+    - only floating arrays are touched: integer, boolean and PRNG-key arrays, ``ScaledArray``
+      leaves and every non-array leaf (Python numbers, functions, strings, ``None``) are
+      returned unchanged, so an Equinox module, an Optax state (its integer step count stays
+      an integer) or a Flax NNX state (``nnx.state(model)``, written back with
+      ``nnx.update``) can be converted whole. A Python float stays a Python float, which
+      ``scalify`` treats as a constant; to scale a number, pass it as an array
+      (``np.float32(x)``).
 
     Scales have the configured scale dtype (float32 by default).
     """

@@ -16,6 +16,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import inspect
+import sys
 import threading
 from typing import Any, Callable, Sequence
 
@@ -78,7 +80,12 @@ def unpromoted_inputs(rule: Callable[..., Any]) -> Callable[..., Any]:
     return rule
 
 
-def scalify(fun: Callable[..., Any]) -> Callable[..., Any]:
+def scalify(
+    fun: Callable[..., Any],
+    *,
+    static_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Sequence[str] | None = None,
+) -> Callable[..., Any]:
     """Transform ``fun`` to propagate power-of-two scales through every operation.
 
     The returned function takes the same arguments as ``fun``, where any floating array
@@ -88,29 +95,108 @@ def scalify(fun: Callable[..., Any]) -> Callable[..., Any]:
     unscaled until they meet a scaled value. In float32 the result equals ``fun`` on the
     values of the inputs up to round-off (model invariance).
 
+    Call convention (as ``eqx.filter_jit``): the array leaves of the arguments (JAX and
+    NumPy arrays, ``ScaledArray``) are traced; every other leaf (Python ``bool``/``int``/
+    ``float``, functions, dtypes, strings, ``None``) reaches ``fun`` as it is and is part
+    of the trace's cache key, so a Python number is a constant: each new value traces
+    again (pass a JAX array for a value that changes every step, e.g. a learning rate).
+    ``static_argnums``/``static_argnames`` make whole arguments static, as in ``jax.jit``;
+    an unhashable static value is traced again at each call. Non-array outputs are
+    returned as they are. Flax NNX objects (modules, optimizers, ``nnx.Rngs``) may be
+    passed: their in-place updates inside ``fun`` are carried back to the objects given.
+
     ``scalify`` takes keyword arguments and any pytree in and out, composes with
-    ``jax.jit`` on either side, with ``jax.grad``, ``jax.vjp`` and ``jax.vmap`` inside,
-    and with itself (it is idempotent).
+    ``jax.jit``, ``eqx.filter_jit`` and ``nnx.jit`` on either side, with ``jax.grad``,
+    ``jax.vjp`` and ``jax.vmap`` inside, and with itself (it is idempotent).
     """
-    if getattr(fun, "_jsa_scalified", False):
+    if getattr(fun, "_jsa_scalified", False) and static_argnums is None and static_argnames is None:
         return fun
+    argnums, argnames = _static_arguments(fun, static_argnums, static_argnames)
     trace_cache: collections.OrderedDict = collections.OrderedDict()
 
     @functools.wraps(fun)
     def scalified(*args, **kwargs):
-        leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=is_scaled_leaf)
-        if _is_tracing_user_code() and not any(isinstance(x, ScaledArray) for x in leaves):
-            # Called while an outer scalify traces: the outer interpreter sees these equations.
-            return fun(*args, **kwargs)
-        dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
-        closed_jaxpr, out_tree = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
-        dynamic_leaves = [leaves[i] for i in dynamic]
-        with known_pow2.tracking():
-            outs = eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, dynamic_leaves)
-        return jax.tree.unflatten(out_tree, [_as_jax_arrays(x) for x in outs])
+        args, kwargs = _hold_static_arguments(args, kwargs, argnums, argnames)
+        graph_call = _nnx_graph_call(fun, args, kwargs)
+        if graph_call is not None:
+            outs = _scalified_call(trace_cache, graph_call.functional_fun, graph_call.functional_args, {})
+            return graph_call.write_back(*outs)
+        return _scalified_call(trace_cache, fun, args, kwargs)
 
     scalified._jsa_scalified = True
     return scalified
+
+
+def _scalified_call(trace_cache, fun, args, kwargs):
+    leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=is_scaled_leaf)
+    if _is_tracing_user_code() and not any(isinstance(x, ScaledArray) for x in leaves):
+        # Called while an outer scalify traces: the outer interpreter sees these equations.
+        args, kwargs = jax.tree.unflatten(in_tree, [_release_static(x) for x in leaves])
+        return fun(*args, **kwargs)
+    dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+    closed_jaxpr, out_tree, static_outs = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
+    dynamic_leaves = [leaves[i] for i in dynamic]
+    with known_pow2.tracking():
+        outs = eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, dynamic_leaves)
+    return _rebuild_outputs(out_tree, static_outs, outs)
+
+
+def _rebuild_outputs(out_tree, static_outs: dict, array_outs: list):
+    """The function's outputs: the jaxpr's array outputs and the static ones in their places."""
+    arrays = iter(array_outs)
+    leaves = [static_outs[i] if i in static_outs else _as_jax_arrays(next(arrays)) for i in range(out_tree.num_leaves)]
+    return jax.tree.unflatten(out_tree, leaves)
+
+
+class _StaticArgument:
+    """Holds an argument named static (``static_argnums``/``static_argnames``) as one leaf."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return type(other) is _StaticArgument and type(self.value) is type(other.value) and self.value == other.value
+
+    def __hash__(self):
+        return hash(self.value)
+
+
+def _release_static(leaf):
+    return leaf.value if isinstance(leaf, _StaticArgument) else leaf
+
+
+def _static_arguments(fun, static_argnums, static_argnames) -> tuple[frozenset, frozenset]:
+    """Positions and names of the static arguments, each completed from the other as ``jax.jit`` does."""
+    argnums = {static_argnums} if isinstance(static_argnums, int) else set(static_argnums or ())
+    argnames = {static_argnames} if isinstance(static_argnames, str) else set(static_argnames or ())
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):  # builtins without a signature: take the arguments as given
+        return frozenset(argnums), frozenset(argnames)
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    argnums |= {positional.index(name) for name in argnames if name in positional}
+    argnames |= {positional[i] for i in argnums if -len(positional) <= i < len(positional)}
+    return frozenset(argnums), frozenset(argnames)
+
+
+def _hold_static_arguments(args: tuple, kwargs: dict, argnums: frozenset, argnames: frozenset):
+    if not argnums and not argnames:
+        return args, kwargs
+    positions = {i % len(args) for i in argnums if -len(args) <= i < len(args)}
+    args = tuple(_StaticArgument(a) if i in positions else a for i, a in enumerate(args))
+    kwargs = {k: _StaticArgument(v) if k in argnames else v for k, v in kwargs.items()}
+    return args, kwargs
+
+
+def _nnx_graph_call(fun, args, kwargs):
+    """A functional form of ``fun`` when Flax NNX objects are among the arguments, else None."""
+    if "flax.nnx" not in sys.modules:  # no NNX object can exist before flax.nnx is imported
+        return None
+    from ..interop import nnx as nnx_interop
+
+    return nnx_interop.GraphCall.of(fun, args, kwargs)
 
 
 def _as_jax_arrays(x):
@@ -121,16 +207,16 @@ def _as_jax_arrays(x):
 
 
 def _is_dynamic(leaf) -> bool:
-    """Arrays and numbers are traced; any other leaf (a dtype, a string ...) is static."""
-    if isinstance(leaf, (ScaledArray, bool, int, float, complex)):
+    """Arrays (JAX, NumPy, ``ScaledArray``) are traced; every other leaf is static, as in ``eqx.filter_jit``."""
+    if isinstance(leaf, (ScaledArray, jax.Array, np.ndarray, np.generic)):
         return True
-    return not isinstance(leaf, (type, np.dtype)) and hasattr(leaf, "dtype") and hasattr(leaf, "shape")
+    return not isinstance(leaf, (type, np.dtype, _StaticArgument)) and hasattr(leaf, "dtype") and hasattr(leaf, "shape")
 
 
 _TRACE_CACHE_SIZE = 32
 
 
-def _cached_trace(cache, fun, in_tree, leaves, dynamic) -> tuple[ClosedJaxpr, Any]:
+def _cached_trace(cache, fun, in_tree, leaves, dynamic) -> tuple[ClosedJaxpr, Any, dict]:
     """The jaxpr of ``fun`` for these input types, traced once per type signature.
 
     Like ``jax.jit``, a trace is reused for inputs of the same tree, shapes and dtypes (and
@@ -154,21 +240,25 @@ def _cached_trace(cache, fun, in_tree, leaves, dynamic) -> tuple[ClosedJaxpr, An
 
 
 def _leaf_signature(leaf, is_dynamic: bool):
-    if not is_dynamic:
-        return ("static", leaf)
-    return jax.typeof(leaf.data if isinstance(leaf, ScaledArray) else leaf)
+    if is_dynamic:
+        return jax.typeof(leaf.data if isinstance(leaf, ScaledArray) else leaf)
+    if isinstance(leaf, (bool, int, float, complex)):
+        # By type and repr: True == 1 == 1.0 and 0.0 == -0.0 trace differently, nan != nan.
+        return ("static", type(leaf), repr(leaf))
+    return ("static", type(leaf), leaf)
 
 
-def _trace_on_data(fun, in_tree, leaves, dynamic) -> tuple[ClosedJaxpr, Any]:
+def _trace_on_data(fun, in_tree, leaves, dynamic) -> tuple[ClosedJaxpr, Any, dict]:
     """Trace ``fun`` with every ``ScaledArray`` standing in as its data.
 
     ``dynamic`` indexes the leaves that become the jaxpr's arguments; the other (static)
-    leaves are baked into the trace.
+    leaves are baked into the trace. Returns the jaxpr, the output tree and the static
+    (non-array) outputs by leaf index: the jaxpr returns only the array outputs.
     """
-    out_tree_box = []
+    out_box = []
 
     def flat_fun(*flat_dynamic):
-        flat = list(leaves)
+        flat = [_release_static(x) for x in leaves]
         for i, x in zip(dynamic, flat_dynamic):
             flat[i] = x
         args, kwargs = jax.tree.unflatten(in_tree, flat)
@@ -178,12 +268,13 @@ def _trace_on_data(fun, in_tree, leaves, dynamic) -> tuple[ClosedJaxpr, Any]:
         finally:
             _trace_state.depth -= 1
         out_flat, out_tree = jax.tree.flatten(out, is_leaf=is_scaled_leaf)
-        out_tree_box.append(out_tree)
-        return out_flat
+        static_outs = {i: x for i, x in enumerate(out_flat) if not _is_dynamic(x)}
+        out_box.append((out_tree, static_outs))
+        return [x for i, x in enumerate(out_flat) if i not in static_outs]
 
     examples = [leaves[i].data if isinstance(leaves[i], ScaledArray) else leaves[i] for i in dynamic]
     closed_jaxpr = jax.make_jaxpr(flat_fun)(*examples)
-    return closed_jaxpr, out_tree_box[0]
+    return (closed_jaxpr, *out_box[0])
 
 
 def eval_scaled_jaxpr(

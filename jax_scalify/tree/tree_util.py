@@ -27,38 +27,36 @@ def _with_scaled_leaves(is_leaf: IsLeaf) -> Callable[[Any], bool]:
     return lambda x: is_scaled_leaf(x) or bool(is_leaf(x))
 
 
-def _leaf_dtype(x: Any):
-    """The dtype of an array-like leaf or a Python number; None for anything else."""
-    if hasattr(x, "dtype"):
-        return x.dtype
-    if isinstance(x, (bool, int, float, complex)):
-        return jnp.result_type(x)
-    return None
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "dtype") and hasattr(x, "shape") and not isinstance(x, (type, np.dtype))
 
 
-def astype(tree: PyTree, dtype: Any, floating_only: bool = False) -> PyTree:
-    """Cast every leaf of ``tree`` to ``dtype``.
+def astype(tree: PyTree, dtype: Any, floating_only: bool = True) -> PyTree:
+    """Cast the floating arrays of ``tree`` to ``dtype``; every other leaf is kept as it is.
 
     - ``ScaledArray`` leaves: the data is cast, the scale is kept (so the value is kept up to
       the rounding of the new dtype). Casting one to a non-floating dtype raises: its scale
       would be lost (use ``jsa.asarray`` first).
-    - other leaves: ``jnp.asarray(x, dtype)``.
+    - floating arrays: ``jnp.asarray(x, dtype)``.
+    - integer, boolean and PRNG-key arrays (an Optax or ``nnx.Optimizer`` step count, an
+      ``nnx.Rngs`` counter) and non-array leaves (Python numbers, functions, strings) are
+      returned untouched, so a whole training state can be cast in one call: a step count
+      cast to float16 would stop counting at 2048.
 
     Args:
-        tree: a pytree of arrays and ``ScaledArray``.
+        tree: a pytree of arrays and ``ScaledArray`` (other leaves pass through).
         dtype: the target dtype (e.g. ``jnp.float16`` or ``jnp.float8_e4m3fn``).
-        floating_only: if True, leaves that are not floating (integers, booleans, and
-            non-array leaves) are returned untouched, so a tree mixing parameters and step
-            counters can be cast in one call.
+        floating_only: pass False to cast the integer and boolean arrays too (never the
+            non-array leaves, nor PRNG keys).
     """
 
     def cast(x):
         if isinstance(x, ScaledArray):
             return x.astype(dtype)
-        if floating_only:
-            leaf_dtype = _leaf_dtype(x)
-            if leaf_dtype is None or not is_floating_dtype(leaf_dtype):
-                return x
+        if not _is_array(x) or jnp.issubdtype(x.dtype, jax.dtypes.extended):
+            return x
+        if floating_only and not is_floating_dtype(x.dtype):
+            return x
         return jnp.asarray(x, dtype)
 
     return jax.tree.map(cast, tree, is_leaf=is_scaled_leaf)

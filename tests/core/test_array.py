@@ -61,7 +61,7 @@ def test_outside_scalify_errors_are_clear():
 
 
 def test_as_scaled_array_tree():
-    tree = {"w": np.ones((2, 2), np.float32), "n": 3, "i": np.arange(3), "lr": 0.1, "b": True}
+    tree = {"w": np.ones((2, 2), np.float32), "n": 3, "i": np.arange(3), "lr": np.float32(0.1), "b": True}
     out = jsa.as_scaled_array(tree)
     assert isinstance(out["w"], ScaledArray) and float(out["w"].scale) == 1.0
     assert out["n"] == 3 and out["i"] is tree["i"] and out["b"] is True
@@ -82,9 +82,12 @@ def test_as_scaled_array_with_scale_and_zero_scalar():
     assert float(infinite.scale) == 1.0 and np.isinf(infinite.data[1])
 
 
-def test_as_scaled_array_rejects_objects():
-    with pytest.raises(TypeError, match="leaf of type str"):
-        jsa.as_scaled_array({"a": "text"})
+def test_as_scaled_array_touches_floating_arrays_only():
+    """Regression: non-array leaves (an Equinox module's functions) were rejected."""
+    key = jax.random.key(0)
+    tree = {"a": "text", "f": jnp.tanh, "lr": 0.1, "dtype": jnp.float16, "key": key, "none": None}
+    out = jsa.as_scaled_array(tree)
+    assert out == tree and out["key"] is key
 
 
 def test_asarray_roundtrip_and_dtype():

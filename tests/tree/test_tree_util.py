@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jax_scalify as jsa
@@ -29,10 +30,30 @@ def test_astype_fp8():
     assert out.dtype == jnp.float8_e4m3fn and float(out.scale) == 4.0
 
 
-def test_astype_without_floating_only_casts_every_plain_leaf():
-    tree = {"b": jnp.array([0.5]), "step": jnp.array(3, jnp.int32), "n": 2}
-    out = jsa.tree.astype(tree, jnp.float32)
-    assert out["step"].dtype == jnp.float32 and out["n"].dtype == jnp.float32
+def test_astype_touches_floating_arrays_only_by_default():
+    key = jax.random.key(0)
+    tree = {"b": jnp.array([0.5]), "step": jnp.array(3, jnp.int32), "n": 2, "lr": 0.1, "act": jnp.tanh, "key": key}
+    out = jsa.tree.astype(tree, jnp.float16)
+    assert out["b"].dtype == jnp.float16
+    assert out["step"].dtype == jnp.int32 and out["n"] == 2 and out["lr"] == 0.1
+    assert out["act"] is jnp.tanh and out["key"] is key
+
+
+def test_astype_floating_only_false_casts_integer_arrays_but_not_other_leaves():
+    tree = {"step": jnp.array(3, jnp.int32), "n": 2, "key": jax.random.key(0)}
+    out = jsa.tree.astype(tree, jnp.float32, floating_only=False)
+    assert out["step"].dtype == jnp.float32 and out["n"] == 2 and out["key"] is tree["key"]
+
+
+def test_astype_keeps_the_optax_step_count_counting():
+    """Regression: the README's cast turned Optax's int32 count into float16, frozen at 2048."""
+    opt = optax.adam(optax.linear_schedule(0.0, 1.0, 4096))
+    params = {"w": jnp.ones(3)}
+    state = jsa.tree.astype(jsa.as_scaled_array(opt.init(params)), jnp.float16)
+    counts = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.integer)]
+    assert counts and all(c.dtype == jnp.int32 for c in counts)
+    state = jax.tree.map(lambda x: x + 2049 if jnp.issubdtype(x.dtype, jnp.integer) else x, state)
+    assert all(int(c) == 2049 for c in jax.tree.leaves(state) if jnp.issubdtype(c.dtype, jnp.integer))
 
 
 def test_astype_scaled_to_integer_raises():
@@ -40,9 +61,9 @@ def test_astype_scaled_to_integer_raises():
         jsa.tree.astype(_tree(), jnp.int32)
 
 
-def test_astype_floating_only_leaves_python_ints():
-    out = jsa.tree.astype({"n": 3, "x": 1.5}, jnp.float16, floating_only=True)
-    assert out["n"] == 3 and out["x"].dtype == jnp.float16
+def test_astype_leaves_python_numbers():
+    out = jsa.tree.astype({"n": 3, "x": 1.5, "a": np.ones(2)}, jnp.float16)
+    assert out["n"] == 3 and out["x"] == 1.5 and out["a"].dtype == jnp.float16
 
 
 def test_leaves_flatten_unflatten_structure_keep_scaled_whole():
