@@ -26,7 +26,7 @@ from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, jaxprs_in_params
 
 from . import known_pow2
-from .array import ScaledArray, is_floating_dtype, is_scaled_leaf
+from .array import ScaledArray, check_scalify_inputs, is_floating_dtype, is_scaled_leaf
 from .promotion import AnyScaleArray, promote
 from .registry import ScaledPrimitiveType, find_registered_scaled_op, scalar_preserving_fn
 from .vma import match_varying_axes
@@ -102,6 +102,7 @@ def scalify(fun: Callable[..., Any]) -> Callable[..., Any]:
         if _is_tracing_user_code() and not any(isinstance(x, ScaledArray) for x in leaves):
             # Called while an outer scalify traces: the outer interpreter sees these equations.
             return fun(*args, **kwargs)
+        check_scalify_inputs(leaves, (args, kwargs))
         dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
         closed_jaxpr, out_tree = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
         dynamic_leaves = [leaves[i] for i in dynamic]
@@ -116,7 +117,7 @@ def scalify(fun: Callable[..., Any]) -> Callable[..., Any]:
 def _as_jax_arrays(x):
     """Scales folded at trace time are NumPy values; hand the user JAX arrays throughout."""
     if isinstance(x, ScaledArray):
-        return ScaledArray(_as_jax_arrays(x.data), _as_jax_arrays(x.scale))
+        return ScaledArray.unchecked(_as_jax_arrays(x.data), _as_jax_arrays(x.scale))
     return jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
 
 
