@@ -16,7 +16,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import os
 import threading
+import traceback as pytraceback
 from typing import Any, Callable, Sequence
 
 import jax
@@ -341,17 +343,45 @@ def _describe(x) -> str:
 
 def _missing_rule_error(eqn: JaxprEqn, invals: list) -> NotImplementedError:
     name = eqn.primitive.name
-    where = source_info_util.summarize(eqn.source_info)
     inputs = ", ".join(_describe(x) for x in invals)
     return NotImplementedError(
         f"jax_scalify has no scale rule for the primitive '{name}'.\n"
         f"  inputs: {inputs}\n"
-        f"  from:   {where}\n"
+        f"  from:   {_user_location(eqn)}\n"
         "Register one with a decorator (the rule gets ScaledArray inputs and the equation's params):\n"
         f"    @jsa.core.register_scaled_op(<the '{name}' primitive>)\n"
         f"    def scaled_{name}(*inputs, **params): ...\n"
         "or compute this part outside scalify, or on plain values with jsa.lax.stop_scaling."
     )
+
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (jax, np)
+) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+
+
+def _is_library_file(file_name: str) -> bool:
+    path = os.path.abspath(file_name)
+    return path.startswith(_LIBRARY_DIRS) or os.sep + "jaxlib" + os.sep in path
+
+
+def _user_location(eqn: JaxprEqn) -> str:
+    """The innermost user source line that produced ``eqn``: not in JAX, NumPy or jax_scalify.
+
+    The equation's own traceback is searched first. An equation traced entirely inside
+    library code (e.g. a jitted library function, whose sub-jaxpr is traced on its own) has
+    no user frame there; the current Python stack then gives the line that called the
+    scalified function.
+    """
+    traceback = eqn.source_info.traceback
+    for frame in traceback.frames if traceback is not None else ():
+        if not _is_library_file(frame.file_name):
+            return f"{frame.file_name}:{frame.line_num} ({frame.function_name})"
+    for frame in reversed(pytraceback.extract_stack()):
+        if not _is_library_file(frame.filename):
+            return f"{frame.filename}:{frame.lineno} ({frame.name}), the call of the scalified function " \
+                "(the primitive comes from library code it runs)"
+    return "unknown (no user frame on the stack)"
 
 
 def _check_rule_outputs(eqn: JaxprEqn, outs: list) -> None:
