@@ -126,3 +126,10 @@ def test_a_0_1_style_program_runs():
         jsa.scaled_array([1.0, 2.0], 3, dtype=np.float16)
     with jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.NONE):  # 0.1's non-power-of-two scales
         np.testing.assert_array_almost_equal(np.asarray(jsa.scaled_array([1.0, 2.0], 3, dtype=np.float16)), [3, 6])
+
+
+def test_scale_dtype_none_of_0_1_means_the_float32_default():
+    assert jsa.ScalifyConfig(scale_dtype=None).scale_dtype == np.float32
+    with jsa.ScalifyConfig(scale_dtype=None):
+        _, scale = jsa.scalify(jsa.lax.get_data_scale)(jnp.ones(2, jnp.float16))
+    assert scale.dtype == np.float32

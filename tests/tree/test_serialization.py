@@ -52,3 +52,17 @@ def test_registration_when_flax_was_imported_first():
         "print(s.to_state_dict(jsa.as_scaled_array(jnp.float32(6.0)))['scale'])\n"
     )
     assert out.strip() == "4.0"
+
+
+def test_orbax_checkpoint_round_trip_as_in_the_docs(tmp_path):
+    """docs/pytrees.md's Orbax example: a ScaledArray is saved as its two arrays."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    state = {"params": jsa.as_scaled_array({"w": jnp.array([[1.0, 2.0], [3e-6, -4.0]], jnp.float16)}), "step": jnp.int32(3)}
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "step_3", state)
+    checkpointer.wait_until_finished()
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    restored = checkpointer.restore(tmp_path / "step_3", abstract)
+    assert isinstance(restored["params"]["w"], jsa.ScaledArray)
+    np.testing.assert_array_equal(restored["params"]["w"].data, state["params"]["w"].data)
+    assert restored["params"]["w"].scale.dtype == np.float32 and float(restored["params"]["w"].scale) == 2.0
