@@ -14,5 +14,9 @@ from .core import (
     scalify,
 )
 from .ops import debug_callback
+from .tree import device_put, scaled_shardings
+from .tree.serialization import install_flax_hook as _install_flax_hook
+
+_install_flax_hook()
 
 __version__ = "0.2.0.dev0"

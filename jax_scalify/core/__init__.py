@@ -1,5 +1,20 @@
 """Core of jax_scalify: the data model, power-of-two arithmetic, config, registry, interpreter."""
 from .array import ScaledArray, as_scaled_array, asarray, is_floating_dtype, is_scaled_leaf, scaled_array
+from .compat import (
+    Array,
+    ArrayTypes,
+    DTypeLike,
+    Shape,
+    Sharding,
+    get_numpy_api,
+    get_scale_dtype,
+    is_static_anyscale,
+    is_static_one_scalar,
+    is_static_zero,
+    make_scaled_scalar,
+    safe_div,
+    safe_reciprocal,
+)
 from .config import Pow2RoundMode, ScalifyConfig, get_scalify_config
 from .custom_scale import custom_scale, custom_scale_call_p
 from .interpreter import eval_scaled_jaxpr, observe_equations, scalify, unpromoted_inputs
@@ -16,8 +31,32 @@ from .registry import (
     registered_rules,
 )
 
+def __getattr__(name: str):
+    # jax-scalify 0.1 had ``core.debug_callback``; it lives in ``ops`` now, which core must not
+    # import while it is itself being imported, hence the lookup on first use.
+    if name == "debug_callback":
+        from ..ops import debug_callback
+
+        return debug_callback
+    raise AttributeError(f"module 'jax_scalify.core' has no attribute '{name}'")
+
+
 __all__ = [
     "AnyScaleArray",
+    "Array",
+    "ArrayTypes",
+    "DTypeLike",
+    "Shape",
+    "Sharding",
+    "debug_callback",
+    "get_numpy_api",
+    "get_scale_dtype",
+    "is_static_anyscale",
+    "is_static_one_scalar",
+    "is_static_zero",
+    "make_scaled_scalar",
+    "safe_div",
+    "safe_reciprocal",
     "Pow2RoundMode",
     "RegisteredRule",
     "ScaledArray",

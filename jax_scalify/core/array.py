@@ -7,12 +7,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import get_scalify_config
-from .pow2 import pow2_decompose
+from . import known_pow2
+from .config import Pow2RoundMode, get_scalify_config
+from .pow2 import pow2_exponent
 
 Array = Any
 DTypeLike = Any
 
+_JAX_FUNCTION_OUTSIDE_SCALIFY = (
+    "A ScaledArray was passed to a JAX function outside jsa.scalify. Wrap the function with "
+    "@jsa.scalify, or convert it first with x.to_array() / jsa.asarray(tree). Transformations "
+    "go inside scalify: jsa.scalify(jax.grad(f)), jsa.scalify(jax.vmap(f)), not "
+    "jax.grad(f) or jax.vmap(f) applied to ScaledArrays (they would see data and scale as "
+    "two unrelated arrays)."
+)
 _NOT_OUTSIDE_SCALIFY = (
     "ScaledArray does not support {what} outside jsa.scalify. Wrap the function that uses it "
     "with @jsa.scalify, or convert it first with x.to_array() / jsa.asarray(tree)."
@@ -28,18 +36,87 @@ def is_floating_dtype(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
+def _is_concrete(x: Any) -> bool:
+    """A value known now (NumPy, or a JAX array that is not a tracer)."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return True
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+
+
+def _host_values(x: Any) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_data(0)  # this process's block; the others are checked by their process
+    return np.asarray(x)
+
+
+def _scale_problem(values: np.ndarray) -> str | None:
+    """Why ``values`` cannot be a scale (None if they can), under the rounding mode in force.
+
+    Allowed: ``0`` (the value is asserted to be zero; the rules keep it so) and positive
+    powers of two; under ``Pow2RoundMode.NONE``, where the rules themselves compute scales
+    that are no powers of two, any positive finite number.
+    """
+    values = np.asarray(values, np.float64)
+    if np.any(np.isnan(values)) or np.any(np.isinf(values)):
+        return "is not finite"
+    if np.any(values < 0):
+        return "is negative (the rules assume a positive scale: put the sign in the data)"
+    if get_scalify_config().rounding_mode == Pow2RoundMode.NONE:
+        return None
+    mantissa, _ = np.frexp(values)
+    if np.any((values != 0) & (mantissa != 0.5)):
+        return "is not a power of two"
+    return None
+
+
+def _scale_error(where: str, scale_values: np.ndarray, problem: str) -> ValueError:
+    shown = scale_values.reshape(-1)[:4].tolist()
+    return ValueError(
+        f"{where} scale {shown if scale_values.size > 1 else scale_values.item()!r} {problem}. A scale "
+        "must be 0 (the value is zero) or a positive power of two: let jsa.as_scaled_array(value) "
+        "choose it, round yours with jsa.core.pow2_round_down(scale), or, to use scales that are no "
+        "powers of two on purpose, work under jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.NONE) "
+        "(then any positive finite scale is allowed)."
+    )
+
+
+def check_scale_values(scale: Array, where: str = "ScaledArray") -> None:
+    """Raise a ``ValueError`` saying what to do if the concrete ``scale`` is not a valid scale.
+
+    Traced scales are not checked (their values are unknown). See :class:`ScaledArray`.
+    """
+    if not _is_concrete(scale):
+        return
+    values = _host_values(scale)
+    problem = _scale_problem(values)
+    if problem is not None:
+        raise _scale_error(where, values, problem)
+
+
 @jax.tree_util.register_pytree_node_class
 class ScaledArray:
     """An array represented as ``data * scale``.
 
     ``data`` carries the shape and dtype (possibly FP16 or FP8); ``scale`` is a floating
-    scalar (float32 by default) and in general a power of two, so that ``data`` stays near
-    unit size while the value can be far outside the data dtype's range. ``scale`` may be
-    any floating array broadcastable to ``data``, but the scale rules assume a scalar.
+    scalar (float32 by default), so that ``data`` stays near unit size while the value can be
+    far outside the data dtype's range.
+
+    Validation, where the scale is concrete (NumPy or a JAX array, not a tracer): the scale
+    must be a positive power of two, or ``0``, which asserts that the value is zero (the rules
+    keep it so, and ``0 * u`` does not pull a sum's scale down); a negative, non-finite or
+    other scale raises a ``ValueError`` saying what to do. Under
+    ``jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.NONE)`` the rules compute scales
+    that are no powers of two, so any positive finite scale is allowed there. A scale may
+    have any shape that broadcasts to the data (e.g. per-channel scales, for storage and
+    ``to_array``), but :func:`jax_scalify.scalify` accepts only scalar scales: every scale
+    rule assumes one. The same checks run on the inputs of ``scalify``, which catches
+    scales broken by plain ``jax.tree`` functions (they rebuild a ``ScaledArray`` without
+    calling this constructor; see ``docs/pytrees.md``).
 
     A ``ScaledArray`` is a pytree with children ``(data, scale)``, so it passes through
     ``jax.jit``, ``jax.tree`` functions and Optax unchanged. It has no arithmetic of its
-    own: computations on it happen inside :func:`jax_scalify.scalify`.
+    own: computations on it happen inside :func:`jax_scalify.scalify`. A concrete 0-d one
+    converts with ``float()``, ``int()`` and ``bool()``.
     """
 
     __slots__ = ("data", "scale")
@@ -65,11 +142,24 @@ class ScaledArray:
                 except ValueError:
                     raise ValueError(
                         f"ScaledArray scale of shape {np.shape(scale)} is not broadcastable to data of "
-                        f"shape {np.shape(data)}. Use a scalar scale (the usual case) or one that "
-                        "broadcasts against the data."
+                        f"shape {np.shape(data)}. Use a scalar scale: jsa.scalify's scale rules need one "
+                        "(jsa.as_scaled_array(value) picks it)."
                     ) from None
+            if not known_pow2.is_tracking():
+                check_scale_values(scale)
         self.data = data
         self.scale = scale
+
+    @classmethod
+    def unchecked(cls, data: Array, scale: Array) -> "ScaledArray":
+        """``ScaledArray(data, scale)`` without any check, for code that computed the scale itself.
+
+        Scale rules, runtime callbacks and deserialisation use it: an intermediate scale may
+        legitimately overflow to ``inf`` or, under ``Pow2RoundMode.NONE``, be no power of two.
+        """
+        obj = object.__new__(cls)
+        obj.data, obj.scale = data, scale
+        return obj
 
     # Pytree protocol. Unflattening bypasses the checks: JAX rebuilds pytrees with
     # placeholders (None, object(), tracers of other shapes) that are not arrays.
@@ -78,9 +168,7 @@ class ScaledArray:
 
     @classmethod
     def tree_unflatten(cls, aux_data, children):
-        obj = object.__new__(cls)
-        obj.data, obj.scale = children
-        return obj
+        return cls.unchecked(*children)
 
     @property
     def dtype(self):
@@ -131,8 +219,26 @@ class ScaledArray:
     def __repr__(self) -> str:
         return f"ScaledArray(data={self.data!r}, scale={self.scale!r})"
 
+    def _scalar_value(self, what: str) -> np.ndarray:
+        if self.ndim != 0 or not (_is_concrete(self.data) and _is_concrete(self.scale)):
+            kind = "traced" if not _is_concrete(self.data) else f"of shape {self.shape}"
+            raise TypeError(
+                f"{what}() needs a concrete 0-d ScaledArray, got one {kind}. Convert with "
+                "x.to_array() (inside jax.jit, return it or use jax.debug.print)."
+            )
+        return np.asarray(self.to_array(np.float64 if self.dtype == np.float64 else np.float32))
+
+    def __float__(self) -> float:
+        return float(self._scalar_value("float"))
+
+    def __int__(self) -> int:
+        return int(self._scalar_value("int"))
+
+    def __bool__(self) -> bool:
+        return bool(self._scalar_value("bool"))
+
     def __jax_array__(self):
-        raise TypeError(_NOT_OUTSIDE_SCALIFY.format(what="being passed to a JAX function"))
+        raise TypeError(_JAX_FUNCTION_OUTSIDE_SCALIFY)
 
     def _no_arithmetic(self, *args, **kwargs):
         raise TypeError(_NOT_OUTSIDE_SCALIFY.format(what="arithmetic"))
@@ -140,6 +246,78 @@ class ScaledArray:
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _no_arithmetic
     __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __pow__ = __neg__ = _no_arithmetic
     __lt__ = __le__ = __gt__ = __ge__ = __getitem__ = _no_arithmetic
+
+
+def check_scalify_inputs(leaves: list, tree: Any = None) -> None:
+    """Check the ``ScaledArray`` leaves that :func:`jax_scalify.scalify` receives.
+
+    Scales must be scalars (every scale rule assumes one; checked under ``jax.jit`` too) and
+    data floating arrays; concrete scales must hold valid values (see :class:`ScaledArray`),
+    fetched from the device in one transfer. This catches ``ScaledArray``s that plain
+    ``jax.tree`` functions rebuilt without the constructor's checks. ``tree`` (the pytree
+    the leaves come from) only serves to name the culprit in the error.
+    """
+    scaled = [(i, x) for i, x in enumerate(leaves) if isinstance(x, ScaledArray)]
+    for i, x in scaled:
+        transform = _outer_transformation(x.scale)
+        if transform:
+            raise TypeError(
+                f"jsa.scalify: the ScaledArray at {_leaf_name(tree, i)} is traced by {transform} applied "
+                "outside scalify, which treats its data and scale as two independent arrays (the "
+                "derivative or batch of a scale means nothing). Put the transformation inside: "
+                "jsa.scalify(jax.grad(f)) or jsa.scalify(jax.vmap(f)), then jax.jit around it."
+            )
+        if not _is_array_like(x.data) or not is_floating_dtype(x.data.dtype):
+            raise TypeError(
+                f"jsa.scalify: the ScaledArray at {_leaf_name(tree, i)} has data of type "
+                f"{getattr(x.data, 'dtype', type(x.data).__name__)}; it must be a floating array. Cast "
+                "ScaledArrays with x.astype(dtype) or jsa.tree.astype, not with jax.tree.map."
+            )
+        if not _is_array_like(x.scale) or not is_floating_dtype(x.scale.dtype):
+            raise TypeError(
+                f"jsa.scalify: the ScaledArray at {_leaf_name(tree, i)} has a scale of type "
+                f"{getattr(x.scale, 'dtype', type(x.scale).__name__)}; it must be a floating scalar."
+            )
+        if np.ndim(x.scale) != 0:
+            raise ValueError(
+                f"jsa.scalify: the ScaledArray at {_leaf_name(tree, i)} has a scale of shape "
+                f"{np.shape(x.scale)}; the scale rules need a scalar scale per array. Convert it with "
+                "jsa.as_scaled_array(x.to_array(jnp.float32)) (one power-of-two scale for the array), "
+                "or keep per-channel scales outside scalify and multiply them in as plain arrays."
+            )
+    if known_pow2.is_tracking():  # an inner scalify evaluated by the interpreter: internal values
+        return
+    concrete = [(i, x.scale) for i, x in scaled if _is_concrete(x.scale)]
+    if not concrete:
+        return
+    values = jax.device_get([s for _, s in concrete])
+    for (i, _), value in zip(concrete, values):
+        problem = _scale_problem(np.asarray(value))
+        if problem is not None:
+            raise _scale_error(f"jsa.scalify: the ScaledArray at {_leaf_name(tree, i)} has a", np.asarray(value), problem)
+
+
+# Tracer types (by name: their classes are not public JAX API) of the transformations that must
+# go inside scalify. Tracers of jax.jit / jax.make_jaxpr are fine: scalify composes with them.
+_INNER_ONLY_TRACERS = {"JVPTracer": "jax.grad/jax.jvp", "LinearizeTracer": "jax.grad/jax.vjp", "BatchTracer": "jax.vmap"}
+
+
+def _outer_transformation(x: Any) -> str | None:
+    if not isinstance(x, jax.core.Tracer):
+        return None
+    return _INNER_ONLY_TRACERS.get(type(x).__name__)
+
+
+def _leaf_name(tree: Any, index: int) -> str:
+    """``args[0]['w']``-style name of the ``index``-th leaf (ScaledArray kept whole) of ``tree``."""
+    if tree is None:
+        return f"input leaf {index}"
+    paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_scaled_leaf)[0]
+    path = paths[index][0]
+    if isinstance(tree, tuple) and len(tree) == 2 and path:
+        head = "args" if getattr(path[0], "idx", None) == 0 else "kwargs"
+        return head + jax.tree_util.keystr(path[1:])
+    return "input " + jax.tree_util.keystr(path)
 
 
 def is_scaled_leaf(x: Any) -> bool:
@@ -180,17 +358,31 @@ def _as_scaled_leaf(x: Any, scale: Array | None) -> Any:
 
 
 def _unit_rms_split(x: Array, npapi, scale_dtype) -> tuple[Array, Array]:
-    """``(x / s, s)`` with ``s = pow2_round_down(rms(x))``: data of RMS in ``[1, 2)``.
+    """``(x / s, s)`` with ``s`` the power of two just below ``rms(x)``: data of RMS in ``[1, 2)``.
 
-    For a scalar this is the exact mantissa / power-of-two split. All-zero and non-finite
-    inputs keep scale 1 (a 0 or inf scale would poison the rules downstream).
+    The RMS is taken relative to the largest magnitude (``x`` is first divided by the power of
+    two below it), so squaring neither underflows nor overflows anywhere in the float range.
+    ``s`` is clamped to the normal range of ``scale_dtype`` (only float64 data can reach
+    beyond float32's). For a scalar this is the exact mantissa / power-of-two split.
+    Empty, all-zero and non-finite inputs keep scale 1 (a 0 or inf scale would poison the
+    rules downstream).
     """
     x = npapi.asarray(x)
     work = x.astype(np.float64 if x.dtype == np.float64 else np.float32)
-    rms = npapi.sqrt(npapi.mean(npapi.square(work)))
-    scale = pow2_decompose(rms)[0]
-    scale = npapi.where(npapi.isfinite(scale) & (scale > 0), scale, npapi.ones_like(scale))
-    return (work / scale).astype(x.dtype), scale.astype(scale_dtype)
+    if x.size == 0:
+        return x, npapi.ones((), scale_dtype)
+    peak = npapi.max(npapi.abs(work))
+    usable = npapi.isfinite(peak) & (peak > 0)
+    peak_exponent = pow2_exponent(npapi.where(usable, peak, npapi.ones_like(peak)))
+    relative = npapi.ldexp(work, -peak_exponent)  # |relative| < 2: exact, no underflow of squares
+    relative_rms = npapi.sqrt(npapi.mean(npapi.square(relative)))
+    exponent = peak_exponent + pow2_exponent(relative_rms)
+    info = jnp.finfo(scale_dtype)
+    exponent = npapi.clip(exponent, info.minexp, info.maxexp - 1)
+    scale = npapi.ldexp(npapi.ones((), work.dtype), exponent)
+    scale = npapi.where(usable, scale, npapi.ones_like(scale))
+    data = npapi.ldexp(work, -npapi.where(usable, exponent, 0))
+    return data.astype(x.dtype), scale.astype(scale_dtype)
 
 
 def as_scaled_array(tree: Any, scale: Array | None = None) -> Any:
@@ -210,9 +402,23 @@ def as_scaled_array(tree: Any, scale: Array | None = None) -> Any:
       ``scalify`` treats as a constant; to scale a number, pass it as an array
       (``np.float32(x)``).
 
-    Scales have the configured scale dtype (float32 by default).
+    Scales have the configured scale dtype (float32 by default). A given ``scale`` must be a
+    positive power of two (any positive finite number under ``Pow2RoundMode.NONE``).
     """
+    if scale is not None:
+        _check_given_scale(scale)
     return jax.tree.map(lambda x: _as_scaled_leaf(x, scale), tree, is_leaf=is_scaled_leaf)
+
+
+def _check_given_scale(scale: Any) -> None:
+    """``as_scaled_array``'s ``scale``: like a ScaledArray's scale, but 0 would make the data inf."""
+    scale = np.asarray(scale) if isinstance(scale, (float, int)) else scale
+    check_scale_values(scale, where="jsa.as_scaled_array:")
+    if _is_concrete(scale) and np.any(_host_values(scale) == 0):
+        raise ValueError(
+            "jsa.as_scaled_array: scale 0 would divide the values by zero. Give a positive power of "
+            "two, or leave scale=None to pick the power of two below each array's RMS."
+        )
 
 
 def asarray(tree: Any, dtype: DTypeLike = None) -> Any:

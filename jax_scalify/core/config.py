@@ -43,7 +43,8 @@ class ScalifyConfig:
         rounding_mode: how computed scales are rounded to powers of two.
         scale_dtype: dtype of the scales created by rules and by promotion of unscaled
             values. Float32 by default (the paper simulates E8M0 scales in float32); it is
-            never silently the data dtype.
+            never silently the data dtype (``None``, which meant the data dtype in
+            jax-scalify 0.1, gives the float32 default).
 
     Use as a context manager to change the settings for the code traced inside it.
     """
@@ -61,6 +62,8 @@ class ScalifyConfig:
             raise NotImplementedError(
                 "Pow2RoundMode.STOCHASTIC is not implemented yet; use Pow2RoundMode.DOWN (default) or UP."
             )
+        if self.scale_dtype is None:  # jax-scalify 0.1's "scale dtype of the data": see docs/migration.md
+            object.__setattr__(self, "scale_dtype", np.float32)
         try:
             dtype = np.dtype(self.scale_dtype)
         except TypeError as err:

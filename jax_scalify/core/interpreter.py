@@ -17,8 +17,10 @@ import collections
 import contextlib
 import functools
 import inspect
+import os
 import sys
 import threading
+import traceback as pytraceback
 from typing import Any, Callable, Sequence
 
 import jax
@@ -28,7 +30,7 @@ from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, jaxprs_in_params
 
 from . import known_pow2
-from .array import ScaledArray, is_floating_dtype, is_scaled_leaf
+from .array import ScaledArray, check_scalify_inputs, is_floating_dtype, is_scaled_leaf
 from .promotion import AnyScaleArray, promote
 from .registry import ScaledPrimitiveType, find_registered_scaled_op, scalar_preserving_fn
 from .vma import match_varying_axes
@@ -133,6 +135,7 @@ def _scalified_call(trace_cache, fun, args, kwargs):
         # Called while an outer scalify traces: the outer interpreter sees these equations.
         args, kwargs = jax.tree.unflatten(in_tree, [_release_static(x) for x in leaves])
         return fun(*args, **kwargs)
+    check_scalify_inputs(leaves, (args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
     closed_jaxpr, out_tree, static_outs = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
     dynamic_leaves = [leaves[i] for i in dynamic]
@@ -202,7 +205,7 @@ def _nnx_graph_call(fun, args, kwargs):
 def _as_jax_arrays(x):
     """Scales folded at trace time are NumPy values; hand the user JAX arrays throughout."""
     if isinstance(x, ScaledArray):
-        return ScaledArray(_as_jax_arrays(x.data), _as_jax_arrays(x.scale))
+        return ScaledArray.unchecked(_as_jax_arrays(x.data), _as_jax_arrays(x.scale))
     return jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
 
 
@@ -431,17 +434,45 @@ def _describe(x) -> str:
 
 def _missing_rule_error(eqn: JaxprEqn, invals: list) -> NotImplementedError:
     name = eqn.primitive.name
-    where = source_info_util.summarize(eqn.source_info)
     inputs = ", ".join(_describe(x) for x in invals)
     return NotImplementedError(
         f"jax_scalify has no scale rule for the primitive '{name}'.\n"
         f"  inputs: {inputs}\n"
-        f"  from:   {where}\n"
+        f"  from:   {_user_location(eqn)}\n"
         "Register one with a decorator (the rule gets ScaledArray inputs and the equation's params):\n"
         f"    @jsa.core.register_scaled_op(<the '{name}' primitive>)\n"
         f"    def scaled_{name}(*inputs, **params): ...\n"
         "or compute this part outside scalify, or on plain values with jsa.lax.stop_scaling."
     )
+
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (jax, np)
+) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+
+
+def _is_library_file(file_name: str) -> bool:
+    path = os.path.abspath(file_name)
+    return path.startswith(_LIBRARY_DIRS) or os.sep + "jaxlib" + os.sep in path
+
+
+def _user_location(eqn: JaxprEqn) -> str:
+    """The innermost user source line that produced ``eqn``: not in JAX, NumPy or jax_scalify.
+
+    The equation's own traceback is searched first. An equation traced entirely inside
+    library code (e.g. a jitted library function, whose sub-jaxpr is traced on its own) has
+    no user frame there; the current Python stack then gives the line that called the
+    scalified function.
+    """
+    traceback = eqn.source_info.traceback
+    for frame in traceback.frames if traceback is not None else ():
+        if not _is_library_file(frame.file_name):
+            return f"{frame.file_name}:{frame.line_num} ({frame.function_name})"
+    for frame in reversed(pytraceback.extract_stack()):
+        if not _is_library_file(frame.filename):
+            return f"{frame.filename}:{frame.lineno} ({frame.name}), the call of the scalified function " \
+                "(the primitive comes from library code it runs)"
+    return "unknown (no user frame on the stack)"
 
 
 def _check_rule_outputs(eqn: JaxprEqn, outs: list) -> None:

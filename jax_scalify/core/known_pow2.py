@@ -51,6 +51,11 @@ def tracking() -> Iterator[None]:
             _state.marks.clear()
 
 
+def is_tracking() -> bool:
+    """Whether a :func:`tracking` scope is open: the scalify interpreter is evaluating a jaxpr."""
+    return _state.depth > 0
+
+
 def _is_numpy(s: Any) -> bool:
     return isinstance(s, (np.ndarray, np.generic, float, int)) and not isinstance(s, bool)
 
@@ -88,4 +93,4 @@ def all_known_pow2(*scales: Any) -> bool:
     return all(is_known_pow2(s) for s in scales)
 
 
-__all__ = ["all_known_pow2", "is_known_pow2", "mark_pow2", "tracking"]
+__all__ = ["all_known_pow2", "is_known_pow2", "is_tracking", "mark_pow2", "tracking"]

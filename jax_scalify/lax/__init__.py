@@ -191,6 +191,7 @@ from .rules_collectives import (
     scaled_psum,
     scaled_psum_invariant,
     scaled_pvary,
+    scaled_reshard,
     scaled_reduce_scatter,
     scaled_shard_map,
 )

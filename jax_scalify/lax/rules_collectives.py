@@ -74,6 +74,17 @@ _, (_, reduce_scatter_p) = _traced_primitives(
     lambda x: jax.lax.psum_scatter(_varying(x), _AXIS, tiled=True), PartitionSpec(_AXIS)
 )
 psum_p, pmax_p, pmin_p = P.psum_p, P.pmax_p, P.pmin_p
+
+
+def _traced_reshard_primitive() -> Primitive:
+    """The primitive of ``jax.sharding.reshard``, traced on the abstract mesh (no device touched)."""
+    sharded = jax.ShapeDtypeStruct((4,), np.float32, sharding=jax.sharding.NamedSharding(_MESH, PartitionSpec(_AXIS)))
+    with jax.sharding.use_abstract_mesh(_MESH):
+        jaxpr = jax.make_jaxpr(lambda x: jax.sharding.reshard(x, PartitionSpec()))(sharded)
+    return jaxpr.eqns[0].primitive
+
+
+reshard_p = _traced_reshard_primitive()
 all_gather_p, all_to_all_p, ppermute_p = P.all_gather_p, P.all_to_all_p, P.ppermute_p
 
 
@@ -217,6 +228,19 @@ def scaled_pvary(x: Any, **params) -> Any:
     return ScaledArray(pvary_p.bind(x.data, **params), x.scale)
 
 
+# --- explicit sharding (sharding in types) ------------------------------------------------------
+@register_scaled_op(reshard_p)
+def scaled_reshard(x: Any, **params) -> Any:
+    """Data resharded to the destination; scale unchanged (a scalar is replicated on every mesh).
+
+    ``jax.sharding.reshard`` (and ``auto_axes``/``explicit_axes``, which emit it) changes only
+    where the blocks of an array live, never its values, so the scale carries over as it is.
+    """
+    if not isinstance(x, ScaledArray):
+        return reshard_p.bind(x, **params)
+    return ScaledArray(reshard_p.bind(x.data, **params), x.scale)
+
+
 # --- shard_map --------------------------------------------------------------------------------
 class _OutputsChanged(Exception):
     """Raised while tracing a shard_map body whose outputs are scaled where assumed plain."""
@@ -343,5 +367,6 @@ __all__ = [
     "scaled_psum_invariant",
     "scaled_pvary",
     "scaled_reduce_scatter",
+    "scaled_reshard",
     "scaled_shard_map",
 ]

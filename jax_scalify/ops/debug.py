@@ -52,7 +52,7 @@ def _rebundle(payload: Any, kind: str, static: Any) -> Any:
     if kind == _ARRAY:
         return payload
     data, scale = payload
-    return ScaledArray(data, scale)
+    return ScaledArray.unchecked(data, scale)
 
 
 def debug_callback(callback: Callable[..., Any], *args: PyTree, **kwargs: PyTree) -> None:

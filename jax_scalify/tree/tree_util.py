@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.array import ScaledArray, is_floating_dtype, is_scaled_leaf
+from ..core.interpreter import scalify
 
 PyTree = Any
 IsLeaf = Callable[[Any], bool] | None
@@ -87,6 +88,32 @@ def map(f: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf: IsLeaf = No
     return jax.tree.map(f, tree, *rest, is_leaf=_with_scaled_leaves(is_leaf))
 
 
+def map_values(f: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf: IsLeaf = None) -> PyTree:
+    """Map ``f`` over the *values* of the leaves: ``f`` sees each ``ScaledArray`` as the array it stands for.
+
+    ``jax.tree.map(f, tree)`` applies ``f`` to a ``ScaledArray``'s data and to its scale
+    separately, which is wrong for almost every ``f``: ``x * 3`` multiplies the value by 9,
+    ``x.astype(jnp.float16)`` casts the scale too (to 0 for scales below float16's range).
+    Here, leaves are grouped as in :func:`map` and, where one of them is a ``ScaledArray``,
+    ``f`` is run under :func:`jax_scalify.scalify`: the scale rules give the result (``x * 3``:
+    scale doubled, data times 1.5; ``astype``: data cast, scale kept). Other leaves get plain
+    ``f``. For pure casts :func:`astype` is shorter.
+
+    Args:
+        f: a function of as many arrays as there are trees, written for plain arrays.
+        tree, rest: pytrees of the same structure (each ``ScaledArray`` one leaf).
+        is_leaf: extra leaf predicate, as in ``jax.tree.map``.
+    """
+    scaled_f = scalify(f)
+
+    def apply(*values):
+        if builtins.any(isinstance(v, ScaledArray) for v in values):
+            return scaled_f(*values)
+        return f(*values)
+
+    return map(apply, tree, *rest, is_leaf=is_leaf)
+
+
 def _truth(x: Any) -> bool:
     if isinstance(x, ScaledArray):
         return bool(np.asarray(x.to_array()))
@@ -98,4 +125,4 @@ def all(tree: PyTree, is_leaf: IsLeaf = None) -> bool:
     return builtins.all(_truth(x) for x in leaves(tree, is_leaf))
 
 
-__all__ = ["all", "astype", "flatten", "leaves", "map", "structure", "unflatten"]
+__all__ = ["all", "astype", "flatten", "leaves", "map", "map_values", "structure", "unflatten"]

@@ -100,3 +100,131 @@ def test_asarray_roundtrip_and_dtype():
 def test_is_scaled_leaf():
     assert jsa.is_scaled_leaf(jsa.scaled_array([1.0], 1.0))
     assert not jsa.is_scaled_leaf(np.ones(2))
+
+
+# --- validation of scales (issue: scale 3 accepted, negative/per-element/zero scales wrong) ---
+@pytest.mark.parametrize(
+    "scale, match",
+    [
+        (np.float32(3.0), "not a power of two"),
+        (jnp.float32(3.0), "not a power of two"),
+        (np.float32(-1.0), "negative"),
+        (np.float32(np.inf), "not finite"),
+        (np.float32(np.nan), "not finite"),
+        (np.array([6.0, 3.0, 2.0], np.float32), "not a power of two"),
+    ],
+)
+def test_invalid_concrete_scales_are_rejected_with_advice(scale, match):
+    with pytest.raises(ValueError, match=match) as info:
+        ScaledArray(np.ones(3, np.float32), scale)
+    assert "pow2_round_down" in str(info.value) and "Pow2RoundMode.NONE" in str(info.value)
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.0), np.float32(2.0**-140), np.float16(2.0**-20), jnp.float32(2.0**100)])
+def test_zero_and_powers_of_two_over_the_whole_range_are_accepted(scale):
+    x = ScaledArray(np.ones(2, np.float32), scale)
+    assert x.scale is scale
+
+
+def test_rounding_mode_none_allows_any_positive_finite_scale():
+    with jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.NONE):
+        x = ScaledArray(jnp.array([4.0]), jnp.float32(3.0))
+        np.testing.assert_allclose(jsa.scalify(jnp.sqrt)(x).to_array(), [np.sqrt(12.0)], rtol=1e-6)
+        with pytest.raises(ValueError, match="negative"):
+            ScaledArray(jnp.array([4.0]), jnp.float32(-3.0))
+
+
+def test_traced_scales_are_not_checked_but_scalify_inputs_are():
+    data = jnp.array([4.0])
+    # Inside jit the scale is a tracer: nothing can be checked at construction.
+    out = jax.jit(lambda s: ScaledArray(data, s).scale)(jnp.float32(3.0))
+    assert float(out) == 3.0
+    # A ScaledArray rebuilt by a plain jax.tree function bypasses the constructor: scalify checks.
+    tripled = jax.tree.map(lambda v: v * 3, jsa.as_scaled_array({"w": jnp.array([1.0, 2.0])}))
+    with pytest.raises(ValueError, match=r"args\[0\]\['w'\] has a scale 3.0 is not a power of two"):
+        jsa.scalify(lambda t: jnp.sum(t["w"]))(tripled)
+
+
+def test_negative_scale_sqrt_and_relu_no_longer_silently_wrong():
+    for fn in (jnp.sqrt, jax.nn.relu, jnp.max, jnp.argmax):
+        with pytest.raises(ValueError, match="negative"):
+            jsa.scalify(fn)(ScaledArray(jnp.array([1.0, 4.0]), jnp.float32(-1.0)))
+
+
+def test_non_scalar_scales_are_rejected_at_the_scalify_boundary():
+    x = ScaledArray(jnp.array([1.0, 2.0, 4.0]), jnp.array([4.0, 2.0, 1.0]))  # valid for storage
+    np.testing.assert_array_equal(x.to_array(), [4.0, 4.0, 4.0])
+    for fn in (jsa.scalify(jnp.sum), jax.jit(jsa.scalify(jnp.sum))):
+        with pytest.raises(ValueError, match=r"scale of shape \(3,\); the scale rules need a scalar"):
+            fn(x)
+
+
+def test_scalify_boundary_checks_data_and_scale_types():
+    broken = jax.tree.map(lambda v: v.astype(jnp.int32), jsa.as_scaled_array(jnp.array([1.0, 2.0])))
+    with pytest.raises(TypeError, match="must be a floating array"):
+        jsa.scalify(jnp.sum)(broken)
+
+
+def test_cast_of_a_whole_tree_with_jax_tree_map_is_caught():
+    """jax.tree.map(astype) also casts the scale: small scales become 0 in float16."""
+    tree = jsa.as_scaled_array({"w": jnp.array([3e-9, 1e-9])})
+    cast = jax.tree.map(lambda v: v.astype(jnp.float16), tree)
+    assert float(cast["w"].scale) == 0.0  # the pitfall itself
+    assert float(jsa.tree.astype(tree, jnp.float16)["w"].scale) == float(tree["w"].scale)
+
+
+def test_zero_scale_is_an_asserted_zero():
+    x = ScaledArray(jnp.array([1.0, 2.0, 4.0]), jnp.float32(0.0))
+    assert float(jsa.scalify(jnp.sum)(x).to_array()) == 0.0
+    with pytest.raises(ValueError, match="divide the values by zero"):
+        jsa.as_scaled_array(jnp.array([1.0, 2.0]), scale=0.0)
+    with pytest.raises(ValueError, match="not a power of two"):
+        jsa.as_scaled_array(jnp.array([1.0, 2.0]), scale=3.0)
+
+
+@pytest.mark.parametrize("npapi", [np, jnp])
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-20, 1e-10, 1.0, 1e10, 1e30, 3e38])
+def test_as_scaled_array_unit_rms_over_the_float32_range(npapi, magnitude):
+    values = npapi.asarray(np.array([1.0, -2.0, 0.5, 1.5], np.float32) * np.float32(magnitude / 2))
+    x = jsa.as_scaled_array(values)
+    rms = float(np.sqrt(np.mean(np.square(np.asarray(x.data, np.float64)))))
+    assert 1.0 <= rms < 2.0
+    assert np.frexp(float(x.scale))[0] == 0.5
+    np.testing.assert_array_equal(np.asarray(x.to_array(jnp.float32)), np.asarray(values))
+
+
+def test_as_scaled_array_subnormal_and_float64_clamp_to_the_scale_range():
+    sub = jsa.as_scaled_array(np.array([1e-40, 2e-40], np.float32))
+    assert float(sub.scale) == np.finfo(np.float32).tiny  # smallest float32 normal power of two
+    np.testing.assert_allclose(sub.to_array(np.float64), [1e-40, 2e-40], rtol=1e-4)
+    tiny64 = jsa.as_scaled_array(np.array([1e-300], np.float64))
+    assert float(tiny64.scale) == np.finfo(np.float32).tiny
+    np.testing.assert_allclose(tiny64.to_array(np.float64), [1e-300], rtol=1e-12)
+
+
+# --- conversions of 0-d values ---------------------------------------------------------------
+def test_float_int_bool_of_a_concrete_scalar():
+    loss = jsa.as_scaled_array(jnp.float32(2.75))
+    assert float(loss) == 2.75 and int(loss) == 2 and bool(loss) is True
+    assert bool(jsa.scalify(lambda v: v * 0.0)(loss)) is False
+    assert float(jsa.as_scaled_array(np.float16(0.375))) == 0.375
+
+
+def test_float_of_an_array_or_a_tracer_says_what_to_do():
+    with pytest.raises(TypeError, match=r"concrete 0-d ScaledArray, got one of shape \(2,\)"):
+        float(jsa.as_scaled_array(jnp.ones(2)))
+    with pytest.raises(TypeError, match="traced"):
+        jax.jit(lambda s: float(s))(jsa.as_scaled_array(jnp.float32(1.0)))
+
+
+# --- transformations applied outside scalify -------------------------------------------------
+def test_grad_and_vmap_outside_scalify_say_to_move_them_inside():
+    x = jsa.as_scaled_array(jnp.array([1.0, 2.0]))
+    with pytest.raises(TypeError, match=r"jsa.scalify\(jax.grad\(f\)\)"):
+        jax.grad(lambda a: jnp.sum(a))(x)  # plain function: the ScaledArray reaches jnp
+    with pytest.raises(TypeError, match="applied outside scalify"):
+        jax.grad(jsa.scalify(lambda a: jnp.sum(a * a)))(x)
+    with pytest.raises(TypeError, match="applied outside scalify"):
+        jax.jvp(jsa.scalify(jnp.sin), (x,), (x,))
+    grads = jax.jit(jsa.scalify(jax.grad(lambda a: jnp.sum(a * a))))(x)  # the right way
+    np.testing.assert_array_equal(grads.to_array(), [2.0, 4.0])

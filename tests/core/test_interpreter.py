@@ -154,3 +154,41 @@ def test_jaxpr_of_scalified_function_is_reusable_under_jit():
     out = fn(a, b)
     assert float(out.scale) == 4.0  # 2 * 0.5 * pow2(sqrt(16))
     np.testing.assert_array_equal(out.to_array(), np.full((4, 2), 16.0))
+
+
+# --- the missing-rule error names the user's line, also under jax.jit -----------------------
+def _unruled_primitive():
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    prim = Primitive("unruled_for_location_test")
+    prim.def_impl(lambda x: x)
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    mlir.register_lowering(prim, mlir.lower_fun(lambda x: x, multiple_results=False))
+    return prim
+
+
+UNRULED = _unruled_primitive()
+
+
+def user_step(x):
+    return UNRULED.bind(x * 2.0)
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [jsa.scalify, lambda f: jax.jit(jsa.scalify(f)), lambda f: jsa.scalify(jax.jit(f)), lambda f: jax.jit(jsa.scalify(jax.jit(f)))],
+    ids=["eager", "jit(scalify)", "scalify(jit)", "jit(scalify(jit))"],
+)
+def test_missing_rule_error_names_the_user_line_under_jit(wrap):
+    with pytest.raises(NotImplementedError, match=r"from:   .*test_interpreter.py:\d+ \(user_step\)"):
+        wrap(user_step)(scaled(X, 2.0))
+
+
+def test_missing_rule_in_a_jitted_library_function_names_the_call_site():
+    """A jitted function with no user frame inside (here the primitive's own bind) points at the caller."""
+    with pytest.raises(NotImplementedError) as info:
+        jsa.scalify(jax.jit(UNRULED.bind))(scaled(X, 2.0))
+    (line,) = [ln for ln in str(info.value).splitlines() if ln.strip().startswith("from:")]
+    assert "test_interpreter.py" in line and "test_missing_rule_in_a_jitted_library_function" in line
+    assert "jax_scalify" not in line.replace("test_interpreter", "")

@@ -83,8 +83,8 @@ def _add_with_known_scales(a, b):
 
 def _sum_both_ways(sa, sb):
     """The scalified sum of two arrays with scales sa, sb: general path, then shortcut."""
-    a = jsa.ScaledArray(jnp.asarray([1.0, -2.0, 3.0]), jnp.float32(sa))
-    b = jsa.ScaledArray(jnp.asarray([0.5, 0.25, -1.0]), jnp.float32(sb))
+    a = jsa.ScaledArray.unchecked(jnp.asarray([1.0, -2.0, 3.0]), jnp.float32(sa))
+    b = jsa.ScaledArray.unchecked(jnp.asarray([0.5, 0.25, -1.0]), jnp.float32(sb))
     general = jax.jit(jsa.lax.scaled_add)(a, b)
     fast = jax.jit(_add_with_known_scales)(a, b)
     return general, fast

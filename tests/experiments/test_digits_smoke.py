@@ -17,4 +17,20 @@ def test_digits_fp32_and_scaled_fp8(capsys):
         assert all(math.isfinite(x) for x in r["losses"])
         assert r["losses"][-1] < r["losses"][0]
         assert r["test_accuracy"] > 0.5
-    assert "FP8 scalify" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "FP8 scalify" in out
+    assert any(line.startswith("FP8 scalify ") and "accuracy points" in line for line in out.splitlines())
+
+
+def _result(accuracy, loss):
+    return {"test_accuracy": accuracy, "final_loss": loss, "losses": [loss], "seconds": 1.0}
+
+
+def test_explain_says_when_fp8_without_scales_matches_and_when_it_falls_behind():
+    same = digits.explain({"FP32": _result(0.98, 0.05), "FP8 scalify": _result(0.98, 0.05), "FP8 plain": _result(0.975, 0.06)})
+    assert same[0].startswith("FP8 scalify matches FP32: +0.00 accuracy points")
+    assert "costs no accuracy, not that it is needed" in same[-1]
+    behind = digits.explain({"FP32": _result(0.98, 0.05), "FP8 plain": _result(0.80, 0.6)})
+    assert behind[0].startswith("FP8 plain falls behind FP32: -18.00 accuracy points")
+    assert "leave the E4M3/E5M2 ranges" in behind[-1]
+    assert digits.explain({"FP8 plain": _result(0.8, 0.6)}) == []

@@ -262,3 +262,78 @@ def test_shard_map_training_step_matches_unsharded():
     got = jax.jit(jsa.scalify(step))(jsa.as_scaled_array(params), jsa.as_scaled_array(x), jsa.as_scaled_array(y))
     assert_pow2_scales(got)
     assert_close_values(got, expected, rtol=1e-5, atol=1e-6)
+
+
+# --- explicit sharding (sharding in types, the default of jax.make_mesh) -----------------------
+EXPLICIT = jax.make_mesh((N,), ("d",)) if jax.device_count() >= N else None  # Explicit axes by default
+
+
+def fsdp_loss(params, x):
+    """FSDP style: parameters stored sharded, gathered (resharded to replicated) for the compute."""
+    w = jax.sharding.reshard(params["w"], P())
+    b = jax.sharding.reshard(params["b"], P())
+    return jnp.mean(jnp.tanh(x @ w + b) ** 2)
+
+
+def fsdp_step(params, x):
+    loss, grads = jax.value_and_grad(fsdp_loss)(params, x)
+    return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+def test_reshard_fsdp_step_on_an_explicit_mesh():
+    assert EXPLICIT.axis_types == (AxisType.Explicit,)
+    rng = np.random.default_rng(0)
+    with jax.set_mesh(EXPLICIT):
+        sharded = NamedSharding(EXPLICIT, P("d"))
+        params = {"w": rng.standard_normal((16, 8)).astype(np.float32) / 4, "b": np.full((8,), 0.01, np.float32)}
+        params = jax.device_put(params, sharded)
+        x = jax.device_put(rng.standard_normal((32, 16)).astype(np.float32), sharded)
+        ref_loss, ref_params = jax.jit(fsdp_step)(params, x)
+        scaled_params = jsa.device_put(jsa.as_scaled_array(params), sharded)
+        loss, new = jax.jit(jsa.scalify(fsdp_step))(scaled_params, jsa.as_scaled_array(x))
+    np.testing.assert_allclose(loss.to_array(), ref_loss, rtol=1e-6)
+    for key in params:
+        assert new[key].data.sharding.spec == ref_params[key].sharding.spec
+        assert new[key].scale.sharding.spec == P()
+        np.testing.assert_allclose(new[key].to_array(), ref_params[key], rtol=1e-5, atol=1e-7)
+    assert_pow2_scales(new)
+
+
+def test_reshard_rule_keeps_the_scale_and_moves_the_data():
+    with jax.set_mesh(EXPLICIT):
+        x = jsa.device_put(scaled(np.arange(16.0).reshape(8, 2), 2.0**-4), NamedSharding(EXPLICIT, P("d")))
+        out = jax.jit(jsa.scalify(lambda v: jax.sharding.reshard(v, P(None, None))))(x)
+        jaxpr = jax.make_jaxpr(jsa.scalify(lambda v: jax.sharding.reshard(v, P())))(x)
+    assert out.data.sharding.spec == P(None, None) and float(out.scale) == 2.0**-4
+    np.testing.assert_array_equal(out.to_array(), np.arange(16.0).reshape(8, 2))
+    assert [e.primitive.name for e in jaxpr.eqns] == ["reshard"]  # the data only: the scale is not moved
+
+
+# --- jsa.device_put and jsa.scaled_shardings ---------------------------------------------------
+def test_plain_device_put_of_a_scaled_tree_fails_and_jsa_device_put_works():
+    tree = jsa.as_scaled_array({"w": np.ones((16, 4), np.float32), "b": np.ones((8,), np.float32)})
+    sharding = NamedSharding(MESH, P("x"))
+    with pytest.raises(Exception):  # JAX applies P('x') to the 0-d scales too
+        jax.device_put(tree, sharding)
+    placed = jsa.device_put(tree, sharding)
+    for leaf in placed.values():
+        assert leaf.data.sharding.spec == P("x") and leaf.scale.sharding.spec == P()
+        assert len(leaf.data.addressable_shards) == N and leaf.data.addressable_shards[0].data.shape[0] == leaf.shape[0] // N
+
+
+def test_scaled_shardings_for_jit_in_and_out_shardings():
+    tree = {"w": jsa.as_scaled_array(np.ones((16, 4), np.float32)), "step": np.int32(0)}
+    specs = {"w": NamedSharding(MESH, P("x")), "step": NamedSharding(MESH, P())}
+    shardings = jsa.scaled_shardings(tree, specs)
+    assert shardings["w"].data.spec == P("x") and shardings["w"].scale.spec == P() and shardings["step"].spec == P()
+    step = jax.jit(
+        jsa.scalify(lambda t: {"w": t["w"] * 3.0, "step": t["step"] + 1}), in_shardings=(shardings,), out_shardings=shardings
+    )
+    out = step(jsa.device_put(tree, specs))
+    assert out["w"].data.sharding.spec == P("x") and out["w"].scale.sharding.spec == P()
+    np.testing.assert_array_equal(out["w"].to_array(), np.full((16, 4), 3.0))
+    assert int(out["step"]) == 1
+    with pytest.raises(ValueError, match="structure of the value tree"):
+        jsa.scaled_shardings(tree, {"w": specs["w"]})
+    with pytest.raises(TypeError, match="NamedSharding"):
+        jsa.scaled_shardings(tree, {"w": P("x"), "step": None})

@@ -1,0 +1,68 @@
+"""Flax serialization of states holding ScaledArray, registered without importing Flax eagerly."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_scalify as jsa
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_flax_to_bytes_round_trip_of_a_training_state():
+    serialization = pytest.importorskip("flax.serialization")
+    params = jsa.as_scaled_array({"w": jnp.array([[1.0, 2.0], [3e-6, -4.0]], jnp.float16), "b": jnp.zeros(2)})
+    state = {"params": params, "opt": optax.adam(1e-3).init(params), "step": jnp.int32(5)}
+    blob = serialization.to_bytes(state)
+    template = jax.tree.map(jnp.zeros_like, state)
+    restored = serialization.from_bytes(template, blob)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert np.asarray(got).dtype == np.asarray(want).dtype
+    assert isinstance(restored["params"]["w"], jsa.ScaledArray)
+    assert serialization.to_state_dict(params["w"]).keys() == {"data", "scale"}
+
+
+def _run(code: str) -> str:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+
+
+def test_import_does_not_load_flax_and_registers_when_flax_comes():
+    pytest.importorskip("flax")
+    out = _run(
+        "import sys, jax.numpy as jnp, jax_scalify as jsa\n"
+        "print('flax' in sys.modules)\n"
+        "from flax import serialization\n"
+        "x = {'p': jsa.as_scaled_array(jnp.array([3.0, 5.0]))}\n"
+        "print(serialization.from_bytes(x, serialization.to_bytes(x))['p'].scale)\n"
+    )
+    assert out.split() == ["False", "4.0"]
+
+
+def test_registration_when_flax_was_imported_first():
+    pytest.importorskip("flax")
+    out = _run(
+        "import flax.serialization as s, jax.numpy as jnp, jax_scalify as jsa\n"
+        "print(s.to_state_dict(jsa.as_scaled_array(jnp.float32(6.0)))['scale'])\n"
+    )
+    assert out.strip() == "4.0"
+
+
+def test_orbax_checkpoint_round_trip_as_in_the_docs(tmp_path):
+    """docs/pytrees.md's Orbax example: a ScaledArray is saved as its two arrays."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    state = {"params": jsa.as_scaled_array({"w": jnp.array([[1.0, 2.0], [3e-6, -4.0]], jnp.float16)}), "step": jnp.int32(3)}
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "step_3", state)
+    checkpointer.wait_until_finished()
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    restored = checkpointer.restore(tmp_path / "step_3", abstract)
+    assert isinstance(restored["params"]["w"], jsa.ScaledArray)
+    np.testing.assert_array_equal(restored["params"]["w"].data, state["params"]["w"].data)
+    assert restored["params"]["w"].scale.dtype == np.float32 and float(restored["params"]["w"].scale) == 2.0
