@@ -8,7 +8,9 @@ its hyperparameters:
   dtype (float16 by default) and a unit root mean square;
 - the inner update runs on float32 data (the stored data widened, the scales kept), so
   ``eps = 1e-8`` or ``1e-16`` and the bias corrections are what they are in FP32;
-- the new state is dynamically rescaled (its RMS moved into the scale) and narrowed again.
+- the new state is dynamically rescaled (its RMS moved into the scale) and narrowed again;
+  the incoming gradients and the outgoing updates are rescaled the same way, so the
+  parameters' scales follow their data whatever the gradients' propagated scales are.
 
 Example (scaled FP16 weights, gradients and Adam moments)::
 
@@ -89,6 +91,13 @@ def _is_floating(x: Any) -> bool:
 def _widen(tree: PyTree) -> PyTree:
     """Floating leaves cast to float32 (scaled ones keep their scale); others untouched."""
     return jax.tree.map(lambda x: x.astype(WORK_DTYPE) if _is_floating(x) else x, tree)
+
+
+def _rescaled(tree: PyTree, rescale: Norm | None) -> PyTree:
+    """Floating arrays of ``tree`` with their statistic moved into the scale (values unchanged)."""
+    if rescale is None:
+        return tree
+    return jax.tree.map(lambda x: dynamic_rescale(x, rescale) if _is_narrowed(x) else x, tree)
 
 
 def _store_leaf(x: Any, dtype: np.dtype, rescale: Norm | None) -> Any:
@@ -178,11 +187,11 @@ def scale_state(
       operand). Integer leaves (step counts), floating scalars (injected
       hyperparameters) and other leaves are kept as they are, never cast.
     - ``update(updates, state, params=None, **extra_args)``: widens the stored data to
-      float32 (scales kept), runs ``inner.update`` (``extra_args`` are passed on if
-      ``inner`` takes them), then moves each new state array's statistic ``rescale``
-      (root mean square by default) into its scale and narrows its data to ``dtype``.
-      The updates come back in the dtypes of the incoming ``updates``, as ScaledArrays if
-      those were. It works inside a ``jsa.scalify`` step (the usual case) and outside one:
+      float32 (scales kept), runs ``inner.update`` on the rescaled float32 gradients
+      (``extra_args`` are passed on if ``inner`` takes them), then moves each new state
+      array's statistic ``rescale`` (root mean square by default) into its scale and
+      narrows its data to ``dtype``. The updates are rescaled too and come back in the
+      dtypes of the incoming ``updates``, as ScaledArrays if those were. It works inside a ``jsa.scalify`` step (the usual case) and outside one:
       with plain gradients the updates come back as plain arrays, so the state can be
       narrow in an otherwise unscaled training loop.
 
@@ -190,7 +199,17 @@ def scale_state(
     ``0 / 0`` wherever a gradient entry is zero, so the arithmetic is float32. The scale
     of an exponential moving average ``b * m + (1 - b) * g`` propagated by the scale rules
     does not follow its data, which would over- or underflow in FP16 after a few steps, so
-    each new state array is rescaled to unit RMS before being narrowed.
+    each new state array is rescaled to unit RMS before being narrowed. The gradients'
+    propagated scales need not follow their data either (the backward pass's rules assume
+    unit-scaled inputs); SGD and Lion pass that scale on to the update, and
+    ``params + update`` then drifts the parameters' scale step after step, so gradients and
+    updates are rescaled as well (Adam's ``mu / sqrt(nu)`` cancels the gradient's scale).
+
+    FP8: store only first moments in FP8 (``field_dtypes={"mu": jnp.float8_e4m3fn}``).
+    A second moment ``nu ~ g**2`` spans twice the gradient's range within a tensor; in FP8
+    its small entries flush to zero next to a non-zero ``mu`` and ``mu / (sqrt(0) + eps)``
+    blows up (measured: NaN after a few steps with E4M3, after a few dozen with E5M2 next
+    to an E4M3 ``mu``).
 
     Args:
         inner: any Optax gradient transformation.
@@ -202,7 +221,8 @@ def scale_state(
             that is named here.
         rescale: the statistic moved into the scale before narrowing: ``"l2"`` (root mean
             square), ``"l1"``, ``"max"``, a callable ``norm(data) -> scalar``, or None to
-            keep the propagated scale (unsafe below float32).
+            keep the propagated scales (unsafe below float32). Applied to the incoming
+            gradients, the new state and the outgoing updates.
 
     Returns:
         An ``optax.GradientTransformationExtraArgs``.
@@ -228,8 +248,9 @@ def scale_state(
 
     @scalify
     def update_stored(updates, state, params, extra_args):
-        new_updates, new_state = inner.update(_widen(updates), _widen(state), _widen(params), **extra_args)
-        return _cast_like(new_updates, updates), _store(new_state, storage)
+        updates32 = _rescaled(_widen(updates), rescale)
+        new_updates, new_state = inner.update(updates32, _widen(state), _widen(params), **extra_args)
+        return _cast_like(_rescaled(new_updates, rescale), updates), _store(new_state, storage)
 
     def init_fn(params: PyTree) -> PyTree:
         return init_stored(inner.init(_widen(asarray(params))))
