@@ -67,14 +67,15 @@ CONFIGS = (
     Config("fp16 plain", F16),
     Config("fp16 scalify", F16, True, F16),
 )
+FIRST_E4M3 = (("mu", E4M3), ("trace", E4M3))  # Adam/AdaBelief/Lion's mu, SGD's momentum
 FP8_CONFIGS = (
     Config("fp16 scalify, fp32 state", F16, True, F32),
-    Config("mu e4m3", F16, True, F16, (("mu", E4M3),)),
-    Config("mu e4m3 (max)", F16, True, F16, (("mu", E4M3),), "max"),
-    Config("mu e5m2", F16, True, F16, (("mu", E5M2),)),
+    Config("1st moment e4m3", F16, True, F16, FIRST_E4M3),
+    Config("1st moment e4m3 (max)", F16, True, F16, FIRST_E4M3, "max"),
+    Config("1st moment e5m2", F16, True, F16, (("mu", E5M2), ("trace", E5M2))),
     Config("nu e5m2", F16, True, F16, (("nu", E5M2),)),
     Config("nu e4m3", F16, True, F16, (("nu", E4M3),)),
-    Config("mu e4m3 nu e5m2", F16, True, F16, (("mu", E4M3), ("nu", E5M2))),
+    Config("mu e4m3, nu e5m2", F16, True, F16, (("mu", E4M3), ("nu", E5M2))),
     Config("all e4m3 (max)", F16, True, E4M3, (), "max"),
 )
 
