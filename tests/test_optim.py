@@ -144,29 +144,29 @@ def check_fp16_state(params, opt_state):
     assert_pow2_scales((params, opt_state))
 
 
+ADAM_FAMILY = ("adam", "adamw", "adabelief")
+
+
+def check_fp16_training(name: str, schedule: bool) -> None:
+    """Scaled FP16 ends within 5% of FP32; plain FP16 Adam-family training is NaN from the first steps
+    (eps = 1e-8 or 1e-16 is 0 in FP16 and a zero gradient entry gives 0/0)."""
+    losses = train_fp32_and_fp16(name, schedule, plain_fp16=name in ADAM_FAMILY)
+    fp32, scaled16 = losses["fp32"][-1], losses["scaled fp16"][-1]
+    assert scaled16 < 0.7 * losses["scaled fp16"][0], f"{name}: scaled FP16 did not train: {losses['scaled fp16']}"
+    assert abs(scaled16 - fp32) <= 0.05 * fp32, f"{name}: scaled FP16 loss {scaled16:.5g} vs FP32 {fp32:.5g}"
+    if name in ADAM_FAMILY:
+        assert not np.all(np.isfinite(losses["plain fp16"][:3])), f"{name}: plain FP16 {losses['plain fp16'][:3]}"
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_float16_state_trains_like_float32_with_a_schedule(name):
-    losses = train_fp32_and_fp16(name, schedule=True)
-    fp32, scaled16 = losses["fp32"][-1], losses["scaled fp16"][-1]
-    assert scaled16 < 0.5 * losses["scaled fp16"][0], f"{name}: scaled FP16 did not train: {losses['scaled fp16']}"
-    assert abs(scaled16 - fp32) <= 0.05 * fp32, f"{name}: scaled FP16 loss {scaled16:.5g} vs FP32 {fp32:.5g}"
-
-
-@pytest.mark.parametrize("name", ["adam", pytest.param("adamw", marks=pytest.mark.slow), pytest.param("adabelief", marks=pytest.mark.slow)])
-def test_plain_float16_adam_family_is_nan_from_the_first_steps(name):
-    """Beside the scaled run: without the wrapper, eps underflows in FP16 and moments give 0/0."""
-    losses = train_fp32_and_fp16(name, schedule=False, plain_fp16=True)
-    assert not np.all(np.isfinite(losses["plain fp16"][:3])), f"{name}: plain FP16 {losses['plain fp16'][:3]}"
-    fp32, scaled16 = losses["fp32"][-1], losses["scaled fp16"][-1]
-    assert abs(scaled16 - fp32) <= 0.05 * fp32, f"{name}: scaled FP16 loss {scaled16:.5g} vs FP32 {fp32:.5g}"
+    check_fp16_training(name, schedule=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sgd_momentum", "lion"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_float16_state_trains_like_float32_with_a_constant_rate(name):
-    losses = train_fp32_and_fp16(name, schedule=False)
-    fp32, scaled16 = losses["fp32"][-1], losses["scaled fp16"][-1]
-    assert abs(scaled16 - fp32) <= 0.05 * fp32, f"{name}: scaled FP16 loss {scaled16:.5g} vs FP32 {fp32:.5g}"
+    check_fp16_training(name, schedule=False)
 
 
 # --- (c) state layout ---------------------------------------------------------------------------
@@ -191,31 +191,26 @@ def test_init_non_zero_state_gets_unit_rms_data():
     assert 1.0 <= rms < 2.0
 
 
-def test_count_stays_int32_and_counts_past_2048():
+def test_count_stays_int32_counts_past_2048_and_the_state_structure_is_stable():
+    """Counts are never cast (float16 would freeze at 2048); the state can be a jit or scan
+    carry: same tree, shapes and dtypes after an update."""
     params, x, y = task((4, 8, 2), n=16)
-    inner = optax.adam(1e-2)
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
     tx = scale_state(inner, jnp.float16)
     sparams = jsa.tree.astype(jsa.as_scaled_array(params), jnp.float16)
     start = lambda s: jax.tree.map(lambda c: jnp.full_like(c, 2046) if c.dtype == jnp.int32 else c, s)
     state, ref_state = start(tx.init(sparams)), start(inner.init(params))
+    initial = state
     step, ref_step = jax.jit(jsa.scalify(make_step(tx))), jax.jit(make_step(inner))
     p, rp = sparams, params
     for _ in range(4):
         _, p, state = step(p, state, *jsa.tree.astype((x, y), jnp.float16))
         _, rp, ref_state = ref_step(rp, ref_state, x, y)
-    assert state[0].count.dtype == jnp.int32 and int(state[0].count) == 2050
-    assert int(ref_state[0].count) == 2050
-
-
-def test_state_structure_and_dtypes_are_stable_across_updates():
-    """The state can be a jit or scan carry: same tree, shapes and dtypes after an update."""
-    params, x, y = task((4, 8, 2), n=16)
-    tx = scale_state(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), jnp.float16)
-    sparams = jsa.tree.astype(jsa.as_scaled_array(params), jnp.float16)
-    state = tx.init(sparams)
-    _, _, new_state = jax.jit(jsa.scalify(make_step(tx)))(sparams, state, *jsa.tree.astype((x, y), jnp.float16))
-    chex.assert_trees_all_equal_structs(state, new_state)
-    chex.assert_trees_all_equal_shapes_and_dtypes(state, new_state)
+    counts = [leaf for leaf in jax.tree.leaves(state, is_leaf=jsa.is_scaled_leaf) if not isinstance(leaf, jsa.ScaledArray)]
+    assert counts and all(c.dtype == jnp.int32 and int(c) == 2050 for c in counts)
+    chex.assert_trees_all_equal_structs(initial, state)
+    chex.assert_trees_all_equal_shapes_and_dtypes(initial, state)
+    assert_close_values(jsa.asarray(p, jnp.float32), rp, rtol=0.05, atol=0.01)
 
 
 # --- composition --------------------------------------------------------------------------------
