@@ -123,8 +123,9 @@ def run_all(args: argparse.Namespace) -> dict[tuple[str, str, str], dict]:
     results = {}
     for name in args.optimizers.split(","):
         lr = LEARNING_RATES[name]
-        schedules = {"constant": lr, "warmup-cosine": optax.warmup_cosine_decay_schedule(0.0, lr, len(steps) // 10, len(steps), lr / 10)}
-        for sched_name, sched in schedules.items():
+        warmup_cosine = optax.warmup_cosine_decay_schedule(0.0, lr, len(steps) // 10, len(steps), lr / 10)
+        schedules = {"constant": lr, "warmup-cosine": warmup_cosine}
+        for sched_name, sched in ((k, schedules[k]) for k in args.schedules.split(",")):
             for cfg in configs:
                 r = train(cfg, make_optimizer(name, sched), data, params32, steps)
                 results[(name, sched_name, cfg.name)] = r
@@ -132,7 +133,8 @@ def run_all(args: argparse.Namespace) -> dict[tuple[str, str, str], dict]:
                 rel = (r["final_loss"] - ref) / ref
                 print(
                     f"{name:<13}{sched_name:<14}{cfg.name:<26}loss {r['final_loss']:<10.4g} "
-                    f"vs fp32 {rel:+8.1%}  acc {r['test_accuracy']:.2%}  nan@{r['first_nan_step']}  {r['seconds']:.1f}s",
+                    f"vs fp32 {rel:+8.1%}  acc {r['test_accuracy']:.2%}  "
+                    f"nan@{r['first_nan_step']}  {r['seconds']:.1f}s",
                     flush=True,
                 )
     return results
@@ -140,10 +142,12 @@ def run_all(args: argparse.Namespace) -> dict[tuple[str, str, str], dict]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--optimizers", default=",".join(LEARNING_RATES), help="comma-separated: " + ",".join(LEARNING_RATES))
+    names = ",".join(LEARNING_RATES)
+    p.add_argument("--optimizers", default=names, help="comma-separated: " + names)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--schedules", default="constant,warmup-cosine", help="comma-separated: constant,warmup-cosine")
     p.add_argument("--fp8", action="store_true", help="add the FP8 state variants")
     return p.parse_args(argv)
 

@@ -191,9 +191,10 @@ def scale_state(
       (``extra_args`` are passed on if ``inner`` takes them), then moves each new state
       array's statistic ``rescale`` (root mean square by default) into its scale and
       narrows its data to ``dtype``. The updates are rescaled too and come back in the
-      dtypes of the incoming ``updates``, as ScaledArrays if those were. It works inside a ``jsa.scalify`` step (the usual case) and outside one:
-      with plain gradients the updates come back as plain arrays, so the state can be
-      narrow in an otherwise unscaled training loop.
+      dtypes of the incoming ``updates``, as ScaledArrays if those were. It works inside
+      a ``jsa.scalify`` step (the usual case) and outside one: with plain gradients the
+      updates come back as plain arrays, so the state can be narrow in an otherwise
+      unscaled training loop.
 
     Why each step is needed: in FP16 ``eps = 1e-8`` is 0 and ``mu / (sqrt(nu) + eps)`` is
     ``0 / 0`` wherever a gradient entry is zero, so the arithmetic is float32. The scale

@@ -93,8 +93,9 @@ def test_float32_state_under_scalify_equals_the_plain_optimizer(name, schedule):
     shapes = {"w": (8, 4), "b": (4,), "v": (3, 5)}
     exponents = {k: int(rng.integers(-12, 13)) for k in shapes}
     data = {k: rng.standard_normal(shape).astype(np.float32) for k, shape in shapes.items()}
-    targets = {k: rng.standard_normal(shape).astype(np.float32) * np.float32(2.0 ** exponents[k]) for k, shape in shapes.items()}
-    params = {k: data[k] * np.float32(2.0 ** exponents[k]) for k in shapes}
+    pow2 = {k: np.float32(2.0 ** e) for k, e in exponents.items()}
+    targets = {k: rng.standard_normal(shape).astype(np.float32) * pow2[k] for k, shape in shapes.items()}
+    params = {k: data[k] * pow2[k] for k in shapes}
     scaled_params = {k: scaled(data[k], exponents[k]) for k in shapes}
     inner = make_optimizer(name, schedule)
     tx = scale_state(inner, jnp.float32)
@@ -206,7 +207,8 @@ def test_count_stays_int32_counts_past_2048_and_the_state_structure_is_stable():
     for _ in range(4):
         _, p, state = step(p, state, *jsa.tree.astype((x, y), jnp.float16))
         _, rp, ref_state = ref_step(rp, ref_state, x, y)
-    counts = [leaf for leaf in jax.tree.leaves(state, is_leaf=jsa.is_scaled_leaf) if not isinstance(leaf, jsa.ScaledArray)]
+    leaves = jax.tree.leaves(state, is_leaf=jsa.is_scaled_leaf)
+    counts = [leaf for leaf in leaves if not isinstance(leaf, jsa.ScaledArray)]
     assert counts and all(c.dtype == jnp.int32 and int(c) == 2050 for c in counts)
     chex.assert_trees_all_equal_structs(initial, state)
     chex.assert_trees_all_equal_shapes_and_dtypes(initial, state)
@@ -287,7 +289,8 @@ def test_field_dtypes_store_one_moment_in_fp8():
     assert all(leaf.dtype == jnp.float8_e4m3fn for leaf in jax.tree.leaves(state[0].mu, is_leaf=jsa.is_scaled_leaf))
     assert all(leaf.dtype == jnp.float16 for leaf in jax.tree.leaves(state[0].nu, is_leaf=jsa.is_scaled_leaf))
     sparams = jsa.tree.astype(jsa.as_scaled_array(params), jnp.float16)
-    _, _, new_state = jax.jit(jsa.scalify(make_step(tx)))(sparams, tx.init(sparams), *jsa.tree.astype((x, y), jnp.float16))
+    xy16 = jsa.tree.astype((x, y), jnp.float16)
+    _, _, new_state = jax.jit(jsa.scalify(make_step(tx)))(sparams, tx.init(sparams), *xy16)
     chex.assert_trees_all_equal_shapes_and_dtypes(state, new_state)
 
 
