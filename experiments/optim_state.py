@@ -15,7 +15,8 @@ these configurations (same initial weights, same batches):
   maximum (``max``) moved into the scale.
 
 It prints the final training loss (mean of the last 10 steps), its difference from FP32,
-and the test accuracy.
+and the test accuracy. ``--ema`` instead measures how an exponential moving average stored
+in each dtype drifts from the float32 one (:func:`ema_storage_error`).
 """
 from __future__ import annotations
 
@@ -140,6 +141,48 @@ def run_all(args: argparse.Namespace) -> dict[tuple[str, str, str], dict]:
     return results
 
 
+def ema_storage_error(steps: int = 3000, size: int = 4096, seed: int = 0) -> dict[tuple[float, str], dict]:
+    """How far an EMA stored by ``scale_state`` drifts from the float32 one, per storage dtype.
+
+    ``optax.ema(b, debias=False)`` is fed ``g`` (first moment, ``b = 0.9``) or ``g**2``
+    (second moment, ``b = 0.999``), ``g`` Gaussian with per-entry magnitudes spread over
+    ``2**-4 .. 2**4``. Returns, per ``(b, dtype)``, the median and 90th percentile of the
+    relative error after ``steps`` steps, the fraction of entries stored as 0, and the mean
+    ratio to the float32 EMA minus 1 (its bias).
+    """
+    rng = np.random.default_rng(seed)
+    magnitude = (2.0 ** rng.uniform(-4, 4, size)).astype(np.float32)
+    noise = np.random.default_rng(seed + 1).standard_normal((steps, size)).astype(np.float32)
+    results = {}
+    for decay, squared in ((0.9, False), (0.999, True)):
+        inputs = jnp.asarray(np.square(noise * magnitude) if squared else noise * magnitude)
+        ref = optax.ema(decay, debias=False)
+        ref_state = jax.lax.scan(lambda s, x: (ref.update(x, s)[1], None), ref.init(inputs[0]), inputs)[0]
+        for dtype in (F16, jnp.bfloat16, E4M3, E5M2):
+            tx = jsa.optim.scale_state(ref, dtype)
+            update = jax.jit(tx.update)
+            state = tx.init(inputs[0])
+            for x in inputs:
+                state = update(x, state)[1]
+            got = np.asarray(state.ema.to_array(jnp.float32))
+            want = np.asarray(ref_state.ema)
+            rel = np.abs(got - want) / np.abs(want)
+            results[(decay, np.dtype(dtype).name)] = {
+                "median_rel_error": float(np.median(rel)),
+                "p90_rel_error": float(np.quantile(rel, 0.9)),
+                "zero_fraction": float(np.mean(got == 0)),
+                "bias": float(np.mean(got / want) - 1),
+            }
+            r = results[(decay, np.dtype(dtype).name)]
+            print(
+                f"EMA b={decay:<6} {'g**2' if squared else 'g':<5}{np.dtype(dtype).name:<15}"
+                f"median rel err {r['median_rel_error']:<9.3g} p90 {r['p90_rel_error']:<9.3g}"
+                f"zeros {r['zero_fraction']:<8.2%} bias {r['bias']:+.3g}",
+                flush=True,
+            )
+    return results
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     names = ",".join(LEARNING_RATES)
@@ -149,11 +192,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--schedules", default="constant,warmup-cosine", help="comma-separated: constant,warmup-cosine")
     p.add_argument("--fp8", action="store_true", help="add the FP8 state variants")
+    p.add_argument("--ema", action="store_true", help="only measure the storage error of an EMA per dtype")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
-    run_all(parse_args(argv))
+    args = parse_args(argv)
+    if args.ema:
+        ema_storage_error(seed=args.seed)
+    else:
+        run_all(args)
 
 
 if __name__ == "__main__":
