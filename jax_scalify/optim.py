@@ -30,7 +30,8 @@ Example (scaled FP16 weights, gradients and Adam moments)::
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple
+import warnings
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +64,33 @@ class _Storage(NamedTuple):
             if isinstance(key, jax.tree_util.GetAttrKey) and name in self.field_dtypes:
                 return self.field_dtypes[name]
         return self.dtype
+
+
+SECOND_MOMENT_FIELDS = ("nu",)  # Optax's name for Adam's, AdamW's, AdaBelief's second moment
+MIN_SECOND_MOMENT_MANTISSA_BITS = 10
+
+
+def _warn_if_second_moment_too_narrow(state: PyTree, storage: _Storage) -> None:
+    """A second moment's EMA (``b2 = 0.999``) moves by 0.1% a step: below 10 mantissa bits it stalls."""
+    narrow = set()
+
+    def check(path, x):
+        names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+        dtype = storage.dtype_at(path)
+        if _is_narrowed(x) and any(n in SECOND_MOMENT_FIELDS for n in names):
+            if jnp.finfo(dtype).nmant < MIN_SECOND_MOMENT_MANTISSA_BITS:
+                narrow.add(np.dtype(dtype).name)
+
+    jax.tree_util.tree_map_with_path(check, state)
+    if narrow:
+        warnings.warn(
+            f"jsa.optim.scale_state: the second moment (nu) is stored in {', '.join(sorted(narrow))}. "
+            "Its EMA with b2 = 0.999 changes by about 0.1% a step, below the rounding step of formats "
+            "with fewer than 10 mantissa bits, so it stalls (measured: bfloat16 +33% bias, FP8 -85%, "
+            "E4M3 also flushes small entries to zero, giving huge steps). Store it in float16: "
+            "field_dtypes={'nu': jnp.float16}.",
+            stacklevel=3,
+        )
 
 
 def _floating_dtype(dtype: DTypeLike, what: str) -> np.dtype:
@@ -254,7 +282,9 @@ def scale_state(
         return _cast_like(_rescaled(new_updates, rescale), updates), _store(new_state, storage)
 
     def init_fn(params: PyTree) -> PyTree:
-        return init_stored(inner.init(_widen(asarray(params))))
+        state = inner.init(_widen(asarray(params)))
+        _warn_if_second_moment_too_narrow(state, storage)
+        return init_stored(state)
 
     def update_fn(updates: PyTree, state: PyTree, params: PyTree | None = None, **extra_args) -> tuple[PyTree, PyTree]:
         outside = not _is_tracing_user_code()

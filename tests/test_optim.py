@@ -1,4 +1,6 @@
 """``jsa.optim.scale_state``: Optax state stored in FP16/FP8 with scales, updated in float32."""
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -299,6 +301,18 @@ def test_field_dtypes_match_state_fields_not_parameter_names():
     state = tx.init({"mu": jnp.ones(3), "nu": jnp.ones(3)})
     assert state[0].mu["nu"].dtype == jnp.float16
     assert state[0].nu["mu"].dtype == jnp.float32
+
+
+def test_second_moment_below_float16_precision_warns():
+    params = {"w": jnp.ones((2, 2))}
+    with pytest.warns(UserWarning, match=r"second moment \(nu\) is stored in bfloat16"):
+        scale_state(optax.adam(1e-3), jnp.bfloat16).init(params)
+    with pytest.warns(UserWarning, match="float8_e5m2"):
+        scale_state(optax.adabelief(1e-3), field_dtypes={"nu": jnp.float8_e5m2}).init(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scale_state(optax.adam(1e-3), jnp.bfloat16, field_dtypes={"nu": jnp.float16}).init(params)
+        scale_state(optax.lion(1e-3), jnp.float8_e4m3fn).init(params)
 
 
 # --- (d) bad input ------------------------------------------------------------------------------
