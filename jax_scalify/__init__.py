@@ -2,6 +2,7 @@
 from . import core, lax, ops, quantization, tree
 from . import analysis
 from . import nn
+from . import optim
 from .core import (
     Pow2RoundMode,
     ScaledArray,

@@ -1,0 +1,352 @@
+"""``jsa.optim.scale_state``: Optax state stored in FP16/FP8 with scales, updated in float32."""
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_scalify as jsa
+from jax_scalify.optim import scale_state
+from tests.invariance import assert_close_values, assert_pow2_scales, scaled
+
+STEPS = 40
+LEARNING_RATES = {"adam": 1e-2, "adamw": 1e-2, "adabelief": 1e-2, "sgd_momentum": 1e-1, "lion": 3e-3}
+OPTIMIZERS = tuple(LEARNING_RATES)
+
+
+def make_optimizer(name: str, schedule: bool) -> optax.GradientTransformation:
+    """``name`` with Optax's default hyperparameters (eps, betas, weight decay)."""
+    lr = LEARNING_RATES[name]
+    if schedule:
+        lr = optax.warmup_cosine_decay_schedule(0.0, lr, STEPS // 10, STEPS, lr / 10)
+    return {
+        "adam": lambda: optax.adam(lr),
+        "adamw": lambda: optax.adamw(lr),
+        "adabelief": lambda: optax.adabelief(lr),
+        "sgd_momentum": lambda: optax.sgd(lr, momentum=0.9),
+        "lion": lambda: optax.lion(lr),
+    }[name]()
+
+
+ALL_OPTIMIZERS = pytest.mark.parametrize(
+    "name, schedule",
+    [(n, True) for n in OPTIMIZERS] + [pytest.param(n, False, marks=pytest.mark.slow) for n in OPTIMIZERS],
+    ids=lambda v: {True: "schedule", False: "constant"}.get(v, v),
+)
+
+
+# --- a small regression task --------------------------------------------------------------------
+def init_mlp(rng: np.random.Generator, sizes) -> list:
+    return [
+        {"w": (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32), "b": np.zeros(b, np.float32)}
+        for a, b in zip(sizes[:-1], sizes[1:])
+    ]
+
+
+def mlp(params, x):
+    for layer in params[:-1]:
+        x = jsa.nn.gelu(x @ layer["w"] + layer["b"])
+    return x @ params[-1]["w"] + params[-1]["b"]
+
+
+def loss_fn(params, x, y):
+    return jnp.mean(jnp.square(mlp(params, x).astype(jnp.float32) - y.astype(jnp.float32)))
+
+
+def task(sizes=(16, 32, 4), n=128, seed=0):
+    """A random teacher MLP labels Gaussian inputs."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, sizes[0])).astype(np.float32)
+    y = np.asarray(mlp(init_mlp(np.random.default_rng(seed + 1), (sizes[0], 32, sizes[-1])), x))
+    return init_mlp(rng, sizes), x, y
+
+
+def make_step(tx: optax.GradientTransformation):
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return loss, optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def train(step, params, opt_state, x, y, steps):
+    step = jax.jit(step)
+    losses = []
+    for _ in range(steps):
+        loss, params, opt_state = step(params, opt_state, x, y)
+        losses.append(float(jsa.asarray(loss)))
+    return losses, params, opt_state
+
+
+# --- (a) float32 storage: the same optimizer -----------------------------------------------------
+def bowl_loss(params, targets):
+    """A quadratic bowl per leaf: gradients at each leaf's own scale, for any scale."""
+    return sum(jnp.mean(jnp.square(p - t)) for p, t in zip(jax.tree.leaves(params), jax.tree.leaves(targets)))
+
+
+@ALL_OPTIMIZERS
+def test_float32_state_under_scalify_equals_the_plain_optimizer(name, schedule):
+    """Params at random power-of-two scales; 4 steps of the wrapped optimizer == the plain one."""
+    rng = np.random.default_rng(1)
+    shapes = {"w": (8, 4), "b": (4,), "v": (3, 5)}
+    exponents = {k: int(rng.integers(-12, 13)) for k in shapes}
+    data = {k: rng.standard_normal(shape).astype(np.float32) for k, shape in shapes.items()}
+    pow2 = {k: np.float32(2.0 ** e) for k, e in exponents.items()}
+    targets = {k: rng.standard_normal(shape).astype(np.float32) * pow2[k] for k, shape in shapes.items()}
+    params = {k: data[k] * pow2[k] for k in shapes}
+    scaled_params = {k: scaled(data[k], exponents[k]) for k in shapes}
+    inner = make_optimizer(name, schedule)
+    tx = scale_state(inner, jnp.float32)
+
+    def step(tx):
+        def fn(params, opt_state):
+            loss, grads = jax.value_and_grad(bowl_loss)(params, targets)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return loss, optax.apply_updates(params, updates), opt_state
+
+        return fn
+
+    plain_step, scaled_step = jax.jit(step(inner)), jax.jit(jsa.scalify(step(tx)))
+    p, s = params, inner.init(params)
+    sp, ss = scaled_params, tx.init(scaled_params)
+    for _ in range(4):
+        loss, p, s = plain_step(p, s)
+        sloss, sp, ss = scaled_step(sp, ss)
+        assert_close_values((sloss, sp), (loss, p), rtol=2e-5, atol=2e-6)
+    assert_pow2_scales((sp, ss))
+    assert_close_values(ss, s, rtol=2e-5, atol=2e-6)
+
+
+# --- (b) float16 storage: training matches FP32, plain FP16 does not -----------------------------
+def train_fp32_and_fp16(name: str, schedule: bool, plain_fp16: bool = False) -> dict[str, list[float]]:
+    """Losses of the plain optimizer in FP32, of ``scale_state(opt, float16)`` with scaled FP16
+    weights and gradients, and (``plain_fp16``) of the plain optimizer in FP16 without scalify."""
+    params, x, y = task()
+    inner = make_optimizer(name, schedule)
+    losses = {"fp32": train(make_step(inner), params, inner.init(params), x, y, STEPS)[0]}
+    if plain_fp16:
+        params16, xy16 = jsa.tree.astype((params, (x, y)), jnp.float16)
+        losses["plain fp16"] = train(make_step(inner), params16, inner.init(params16), *xy16, STEPS)[0]
+    tx = scale_state(inner, jnp.float16)
+    sparams = jsa.tree.astype(jsa.as_scaled_array(params), jnp.float16)
+    sxy = jsa.tree.astype(jsa.as_scaled_array((x, y)), jnp.float16)
+    losses["scaled fp16"], sp, ss = train(jsa.scalify(make_step(tx)), sparams, tx.init(sparams), *sxy, STEPS)
+    check_fp16_state(sp, ss)
+    return losses
+
+
+def check_fp16_state(params, opt_state):
+    for leaf in jax.tree.leaves((params, opt_state), is_leaf=jsa.is_scaled_leaf):
+        if isinstance(leaf, jsa.ScaledArray):
+            assert leaf.dtype == jnp.float16
+            assert np.all(np.isfinite(np.asarray(leaf.data, np.float32)))
+    assert_pow2_scales((params, opt_state))
+
+
+ADAM_FAMILY = ("adam", "adamw", "adabelief")
+
+
+def check_fp16_training(name: str, schedule: bool) -> None:
+    """Scaled FP16 ends within 5% of FP32; plain FP16 Adam-family training is NaN from the first steps
+    (eps = 1e-8 or 1e-16 is 0 in FP16 and a zero gradient entry gives 0/0)."""
+    losses = train_fp32_and_fp16(name, schedule, plain_fp16=name in ADAM_FAMILY)
+    fp32, scaled16 = losses["fp32"][-1], losses["scaled fp16"][-1]
+    assert scaled16 < 0.7 * losses["scaled fp16"][0], f"{name}: scaled FP16 did not train: {losses['scaled fp16']}"
+    assert abs(scaled16 - fp32) <= 0.05 * fp32, f"{name}: scaled FP16 loss {scaled16:.5g} vs FP32 {fp32:.5g}"
+    if name in ADAM_FAMILY:
+        assert not np.all(np.isfinite(losses["plain fp16"][:3])), f"{name}: plain FP16 {losses['plain fp16'][:3]}"
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_float16_state_trains_like_float32_with_a_schedule(name):
+    check_fp16_training(name, schedule=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_float16_state_trains_like_float32_with_a_constant_rate(name):
+    check_fp16_training(name, schedule=False)
+
+
+# --- (c) state layout ---------------------------------------------------------------------------
+def test_init_zero_moments_get_scale_zero_and_counts_stay_integers():
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+    state = scale_state(optax.adam(1e-3), jnp.float16).init(params)
+    adam_state = state[0]
+    assert adam_state.count.dtype == jnp.int32 and not isinstance(adam_state.count, jsa.ScaledArray)
+    for moment in (adam_state.mu, adam_state.nu):
+        for leaf in jax.tree.leaves(moment, is_leaf=jsa.is_scaled_leaf):
+            assert isinstance(leaf, jsa.ScaledArray) and leaf.dtype == jnp.float16
+            assert float(leaf.scale) == 0.0 and not np.any(np.asarray(leaf.data))
+
+
+def test_init_non_zero_state_gets_unit_rms_data():
+    """A state that copies the parameters keeps their values, with unit-RMS data."""
+    tx = scale_state(optax.GradientTransformation(lambda p: dict(p), lambda u, s, p=None: (u, s)), jnp.float16)
+    copy = tx.init({"w": jnp.full((4, 4), 3e-6)})["w"]
+    assert isinstance(copy, jsa.ScaledArray) and copy.dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(copy.to_array(jnp.float32)), 3e-6, rtol=1e-3)
+    rms = np.sqrt(np.mean(np.square(np.asarray(copy.data, np.float32))))
+    assert 1.0 <= rms < 2.0
+
+
+def test_count_stays_int32_counts_past_2048_and_the_state_structure_is_stable():
+    """Counts are never cast (float16 would freeze at 2048); the state can be a jit or scan
+    carry: same tree, shapes and dtypes after an update."""
+    params, x, y = task((4, 8, 2), n=16)
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    tx = scale_state(inner, jnp.float16)
+    sparams = jsa.tree.astype(jsa.as_scaled_array(params), jnp.float16)
+    start = lambda s: jax.tree.map(lambda c: jnp.full_like(c, 2046) if c.dtype == jnp.int32 else c, s)
+    state, ref_state = start(tx.init(sparams)), start(inner.init(params))
+    initial = state
+    step, ref_step = jax.jit(jsa.scalify(make_step(tx))), jax.jit(make_step(inner))
+    p, rp = sparams, params
+    for _ in range(4):
+        _, p, state = step(p, state, *jsa.tree.astype((x, y), jnp.float16))
+        _, rp, ref_state = ref_step(rp, ref_state, x, y)
+    leaves = jax.tree.leaves(state, is_leaf=jsa.is_scaled_leaf)
+    counts = [leaf for leaf in leaves if not isinstance(leaf, jsa.ScaledArray)]
+    assert counts and all(c.dtype == jnp.int32 and int(c) == 2050 for c in counts)
+    chex.assert_trees_all_equal_structs(initial, state)
+    chex.assert_trees_all_equal_shapes_and_dtypes(initial, state)
+    assert_close_values(jsa.asarray(p, jnp.float32), rp, rtol=0.05, atol=0.01)
+
+
+# --- composition --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "inner",
+    [
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 4, 40))),
+        optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=1e-3),
+        optax.chain(optax.adam(1e-2), optax.chain(optax.add_decayed_weights(1e-3), optax.scale(1.0))),
+    ],
+    ids=["clip_adamw_schedule", "inject_hyperparams", "nested_chains"],
+)
+def test_composed_transformations_in_float32_equal_the_plain_ones(inner):
+    params, x, y = task((4, 8, 2), n=16)
+    tx = scale_state(inner, jnp.float32)
+    plain_step, scaled_step = jax.jit(make_step(inner)), jax.jit(jsa.scalify(make_step(tx)))
+    sparams = jsa.as_scaled_array(params)
+    p, s, sp, ss = params, inner.init(params), sparams, tx.init(sparams)
+    for _ in range(3):
+        _, p, s = plain_step(p, s, x, y)
+        _, sp, ss = scaled_step(sp, ss, x, y)
+    assert_close_values((sp, ss), (p, s), rtol=2e-5, atol=2e-6)
+
+
+def test_inject_hyperparams_scalars_stay_plain_float32():
+    tx = scale_state(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), jnp.float16)
+    state = tx.init({"w": jnp.ones((2, 2))})
+    assert state.hyperparams["learning_rate"].dtype == jnp.float32
+    assert not isinstance(state.hyperparams["learning_rate"], jsa.ScaledArray)
+    assert isinstance(state.inner_state[0].mu["w"], jsa.ScaledArray)
+
+
+def test_update_outside_scalify_with_plain_gradients_returns_plain_updates():
+    """Narrow state in an unscaled float32 loop: plain updates, FP16 scaled moments."""
+    inner = optax.adam(1e-3)
+    tx = scale_state(inner, jnp.float16)
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)}
+    grads = {"w": jnp.asarray(rng.standard_normal((8, 4)) * 2.0**-20, jnp.float32)}  # g**2 ~ 2**-40: 0 in FP16
+    updates, state = tx.update(grads, tx.init(params), params)
+    ref_updates, _ = inner.update(grads, inner.init(params), params)
+    assert not isinstance(updates["w"], jsa.ScaledArray) and updates["w"].dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(updates["w"]), np.asarray(ref_updates["w"]), rtol=2e-3)
+    assert state[0].nu["w"].dtype == jnp.float16
+    assert optax.apply_updates(params, updates)["w"].dtype == jnp.float32
+
+
+def test_update_outside_scalify_with_scaled_gradients_returns_scaled_updates():
+    tx = scale_state(optax.sgd(1e-2, momentum=0.9), jnp.float16)
+    params = jsa.tree.astype(jsa.as_scaled_array({"w": jnp.ones((4, 4))}), jnp.float16)
+    grads = jsa.tree.astype(jsa.as_scaled_array({"w": jnp.full((4, 4), 2.0**-30)}), jnp.float16)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert isinstance(updates["w"], jsa.ScaledArray) and updates["w"].dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(updates["w"].to_array(jnp.float32)), -1e-2 * 2.0**-30, rtol=1e-3)
+
+
+def test_extra_args_reach_the_inner_transformation():
+    inner = optax.chain(optax.sgd(1e-1), optax.contrib.reduce_on_plateau(patience=0, factor=0.5, cooldown=0))
+    tx = scale_state(inner, jnp.float16)
+    params = {"w": jnp.ones((2, 2))}
+    grads = {"w": jnp.ones((2, 2))}
+    state, ref_state = tx.init(params), inner.init(params)
+    for loss in (1.0, 2.0, 3.0):
+        updates, state = tx.update(grads, state, params, value=jnp.float32(loss))
+        ref_updates, ref_state = inner.update(grads, ref_state, params, value=jnp.float32(loss))
+        np.testing.assert_allclose(np.asarray(updates["w"]), np.asarray(ref_updates["w"]), rtol=1e-6)
+    assert float(state[1].scale) < 1.0  # the plateau halved the rate
+
+
+def test_field_dtypes_store_one_moment_in_fp8():
+    tx = scale_state(optax.adam(1e-3), jnp.float16, field_dtypes={"mu": jnp.float8_e4m3fn})
+    params, x, y = task((4, 8, 2), n=16)
+    state = tx.init(params)
+    assert all(leaf.dtype == jnp.float8_e4m3fn for leaf in jax.tree.leaves(state[0].mu, is_leaf=jsa.is_scaled_leaf))
+    assert all(leaf.dtype == jnp.float16 for leaf in jax.tree.leaves(state[0].nu, is_leaf=jsa.is_scaled_leaf))
+    sparams = jsa.tree.astype(jsa.as_scaled_array(params), jnp.float16)
+    xy16 = jsa.tree.astype((x, y), jnp.float16)
+    _, _, new_state = jax.jit(jsa.scalify(make_step(tx)))(sparams, tx.init(sparams), *xy16)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state, new_state)
+
+
+def test_field_dtypes_match_state_fields_not_parameter_names():
+    tx = scale_state(optax.adam(1e-3), jnp.float16, field_dtypes={"nu": jnp.float32})
+    state = tx.init({"mu": jnp.ones(3), "nu": jnp.ones(3)})
+    assert state[0].mu["nu"].dtype == jnp.float16
+    assert state[0].nu["mu"].dtype == jnp.float32
+
+
+def test_second_moment_below_float16_precision_warns():
+    params = {"w": jnp.ones((2, 2))}
+    with pytest.warns(UserWarning, match=r"second moment \(nu\) is stored in bfloat16"):
+        scale_state(optax.adam(1e-3), jnp.bfloat16).init(params)
+    with pytest.warns(UserWarning, match="float8_e5m2"):
+        scale_state(optax.adabelief(1e-3), field_dtypes={"nu": jnp.float8_e5m2}).init(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scale_state(optax.adam(1e-3), jnp.bfloat16, field_dtypes={"nu": jnp.float16}).init(params)
+        scale_state(optax.lion(1e-3), jnp.float8_e4m3fn).init(params)
+
+
+# --- (d) bad input ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.bool_, jnp.float64, "not a dtype"])
+def test_non_float_storage_dtype_is_rejected(dtype):
+    with pytest.raises(TypeError, match="floating dtype"):
+        scale_state(optax.adam(1e-3), dtype)
+
+
+def test_non_float_field_dtype_is_rejected():
+    with pytest.raises(TypeError, match=r"field_dtypes\['mu'\]"):
+        scale_state(optax.adam(1e-3), field_dtypes={"mu": jnp.int32})
+
+
+def test_unknown_rescale_is_rejected():
+    with pytest.raises(ValueError, match="rescale must be"):
+        scale_state(optax.adam(1e-3), rescale="l3")
+
+
+def test_non_transformation_is_rejected():
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        scale_state(optax.adam, jnp.float16)
+
+
+def test_inner_state_passed_to_update_is_rejected_outside_scalify():
+    tx = scale_state(optax.adam(1e-3), jnp.float16)
+    params = {"w": jnp.ones((2, 2))}
+    with pytest.raises(ValueError, match=r"tx.init\(params\)"):
+        tx.update(params, optax.adam(1e-3).init(params), params)
+
+
+def test_inner_state_passed_to_update_is_rejected_under_scalify():
+    tx = scale_state(optax.adam(1e-3), jnp.float16)
+    params = jsa.as_scaled_array({"w": jnp.ones((2, 2))})
+    wrong_state = jsa.as_scaled_array(optax.adam(1e-3).init({"w": jnp.ones((2, 2))}))  # float32 data
+    with pytest.raises(ValueError, match="storage dtype float16"):
+        jsa.scalify(tx.update)(params, wrong_state, params)
