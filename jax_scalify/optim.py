@@ -222,7 +222,8 @@ def scale_state(
       dtypes of the incoming ``updates``, as ScaledArrays if those were. It works inside
       a ``jsa.scalify`` step (the usual case) and outside one: with plain gradients the
       updates come back as plain arrays, so the state can be narrow in an otherwise
-      unscaled training loop.
+      unscaled training loop (plain FP16 weights and gradients with ``optax.adam`` are NaN
+      from the first step; wrapped, they train like FP32).
 
     Why each step is needed: in FP16 ``eps = 1e-8`` is 0 and ``mu / (sqrt(nu) + eps)`` is
     ``0 / 0`` wherever a gradient entry is zero, so the arithmetic is float32. The scale
