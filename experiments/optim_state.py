@@ -12,7 +12,9 @@ these configurations (same initial weights, same batches):
   stored by ``scale_state(opt, jnp.float16)``;
 - FP8 variants (``--fp8``, Adam-family only): the state or one moment stored in
   E4M3/E5M2 through ``scale_state(..., field_dtypes=...)``, with the RMS (``l2``) or the
-  maximum (``max``) moved into the scale.
+  maximum (``max``) moved into the scale;
+- with ``--storage`` instead: float32 weights and gradients, no scalify, only the state
+  narrowed by ``scale_state`` (FP16, bfloat16, FP8 moments): the storage error alone.
 
 It prints the final training loss (mean of the last 10 steps), its difference from FP32,
 and the test accuracy. ``--ema`` instead measures how an exponential moving average stored
@@ -80,6 +82,16 @@ FP8_CONFIGS = (
     Config("all e4m3 (max)", F16, True, E4M3, (), "max"),
 )
 
+# FP32 compute, only the state narrowed (scale_state outside scalify): the storage error alone.
+STORAGE_CONFIGS = (
+    Config("fp32, fp16 state", F32, False, F16),
+    Config("fp32, bf16 state", F32, False, jnp.bfloat16),
+    Config("fp32, 1st moment e4m3", F32, False, F16, FIRST_E4M3),
+    Config("fp32, 1st moment e5m2", F32, False, F16, (("mu", E5M2), ("trace", E5M2))),
+    Config("fp32, nu e5m2", F32, False, F16, (("nu", E5M2),)),
+    Config("fp32, mu e4m3, nu e5m2", F32, False, F16, (("mu", E4M3), ("nu", E5M2))),
+)
+
 
 def train(cfg: Config, opt: optax.GradientTransformation, data: tuple, params32, steps: list) -> dict:
     """Train one configuration; returns the final loss and test accuracy."""
@@ -121,6 +133,8 @@ def run_all(args: argparse.Namespace) -> dict[tuple[str, str, str], dict]:
     params32 = init_params(jax.random.PRNGKey(args.seed), SIZES)
     steps = batches(len(data[0]), args.batch, args.epochs, args.seed)
     configs = CONFIGS + (FP8_CONFIGS if args.fp8 else ())
+    if args.storage:
+        configs = (CONFIGS[0],) + STORAGE_CONFIGS
     results = {}
     for name in args.optimizers.split(","):
         lr = LEARNING_RATES[name]
@@ -192,6 +206,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--schedules", default="constant,warmup-cosine", help="comma-separated: constant,warmup-cosine")
     p.add_argument("--fp8", action="store_true", help="add the FP8 state variants")
+    p.add_argument("--storage", action="store_true", help="only FP32 compute with the state narrowed (no scalify)")
     p.add_argument("--ema", action="store_true", help="only measure the storage error of an EMA per dtype")
     return p.parse_args(argv)
 

@@ -172,6 +172,19 @@ def test_float16_state_trains_like_float32_with_a_constant_rate(name):
     check_fp16_training(name, schedule=False)
 
 
+def test_plain_float16_training_without_scalify_works_with_the_wrapper():
+    """Plain FP16 weights and gradients, no scalify: Adam is NaN, scale_state(Adam) matches FP32."""
+    params, x, y = task()
+    inner = make_optimizer("adam", schedule=True)
+    fp32 = train(make_step(inner), params, inner.init(params), x, y, STEPS)[0]
+    tx = scale_state(inner, jnp.float16)
+    params16, xy16 = jsa.tree.astype((params, (x, y)), jnp.float16)
+    losses, params16, state = train(make_step(tx), params16, tx.init(params16), *xy16, STEPS)
+    assert all(p.dtype == jnp.float16 and not isinstance(p, jsa.ScaledArray) for p in jax.tree.leaves(params16))
+    check_fp16_state({}, state)
+    assert abs(losses[-1] - fp32[-1]) <= 0.05 * fp32[-1], f"FP16 + scale_state {losses[-1]:.5g} vs FP32 {fp32[-1]:.5g}"
+
+
 # --- (c) state layout ---------------------------------------------------------------------------
 def test_init_zero_moments_get_scale_zero_and_counts_stay_integers():
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
