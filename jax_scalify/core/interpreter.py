@@ -485,7 +485,7 @@ def _check_rule_outputs(eqn: JaxprEqn, outs: list) -> None:
         if not hasattr(aval, "shape"):
             continue
         got_shape, got_dtype = np.shape(out.data if isinstance(out, ScaledArray) else out), getattr(out, "dtype", None)
-        if tuple(got_shape) != tuple(aval.shape) or (got_dtype is not None and np.dtype(got_dtype) != np.dtype(aval.dtype)):
+        if tuple(got_shape) != tuple(aval.shape) or (got_dtype is not None and got_dtype != aval.dtype):  # PRNG keys too
             raise RuntimeError(
                 f"The scale rule of '{eqn.primitive.name}' returned {_describe(out)}, "
                 f"expected {aval.dtype}{list(aval.shape)}. This is a bug in the rule."

@@ -12,6 +12,7 @@ Only the public Flax API is used, and this module is imported only when ``flax.n
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -29,6 +30,7 @@ def _node_or_scaled(x: Any) -> bool:
     return is_graph_node(x) or is_scaled_leaf(x)
 
 
+@dataclasses.dataclass(frozen=True)
 class _Layout:
     """Static part of a call: where the NNX objects sit among the arguments, and their graph.
 
@@ -36,34 +38,16 @@ class _Layout:
     (the graph definition holds the static attributes, e.g. ``train()``/``eval()`` flags).
     """
 
-    __slots__ = ("treedef", "node_positions", "graphdef")
-
-    def __init__(self, treedef, node_positions: tuple[int, ...], graphdef):
-        self.treedef, self.node_positions, self.graphdef = treedef, node_positions, graphdef
-
-    def _key(self):
-        return (self.treedef, self.node_positions, self.graphdef)
-
-    def __eq__(self, other):
-        return type(other) is _Layout and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(self._key())
+    treedef: Any
+    node_positions: tuple[int, ...]
+    graphdef: Any
 
 
+@dataclasses.dataclass(frozen=True)
 class _ReturnedNode:
     """Stands, in the outputs, for an NNX object given as an argument (by its position)."""
 
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-    def __eq__(self, other):
-        return type(other) is _ReturnedNode and other.index == self.index
-
-    def __hash__(self):
-        return hash(self.index)
+    index: int
 
 
 class GraphCall:

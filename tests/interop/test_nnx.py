@@ -206,3 +206,15 @@ def test_optimizer_created_from_the_scaled_model():
         ref_step(ref_model, ref_optimizer, X, Y)
     assert_same_state(model, ref_model, rtol=1e-5, atol=1e-6)
     assert_same_state(optimizer, ref_optimizer, rtol=1e-5, atol=1e-6)
+
+
+def test_scalify_outside_nnx_jit():
+    """``jsa.scalify(nnx.jit(step))``: nnx.jit's updates inside the trace are carried back too."""
+    model, optimizer = make_model()
+    ref_model, ref_optimizer = make_model()
+    scale_states(model, optimizer)
+    step, ref_step = jsa.scalify(nnx.jit(rescaled_train_step)), nnx.jit(rescaled_train_step)
+    loss = step(model, optimizer, jsa.as_scaled_array(X), Y)  # evaluated eagerly: one step is enough
+    np.testing.assert_allclose(loss.to_array(), ref_step(ref_model, ref_optimizer, X, Y), rtol=1e-5)
+    assert int(optimizer.step[...]) == 1
+    assert_same_state(model, ref_model, rtol=1e-5, atol=1e-6)
