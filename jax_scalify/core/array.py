@@ -308,7 +308,7 @@ def check_scalify_inputs(leaves: list, tree: Any = None) -> None:
         values = _host_values(scale)
         problem = _scale_problem(values)
         if problem is not None:
-            raise _scale_error(f"jsa.scalify: the ScaledArray at {_leaf_name(tree, i)} has a", values, problem)
+            raise _scale_error(f"jsa.scalify: the ScaledArray at {_leaf_name(tree, i)}:", values, problem)
 
 
 def _scale_bits_valid(scale: Array, require_pow2: bool) -> Array:

@@ -138,7 +138,7 @@ def test_traced_scales_are_not_checked_but_scalify_inputs_are():
     assert float(out) == 3.0
     # A ScaledArray rebuilt by a plain jax.tree function bypasses the constructor: scalify checks.
     tripled = jax.tree.map(lambda v: v * 3, jsa.as_scaled_array({"w": jnp.array([1.0, 2.0])}))
-    with pytest.raises(ValueError, match=r"args\[0\]\['w'\] has a scale 3.0 is not a power of two"):
+    with pytest.raises(ValueError, match=r"args\[0\]\['w'\]: scale 3.0 is not a power of two"):
         jsa.scalify(lambda t: jnp.sum(t["w"]))(tripled)
 
 
