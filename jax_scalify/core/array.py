@@ -254,18 +254,20 @@ class ScaledArray:
     __lt__ = __le__ = __gt__ = __ge__ = __getitem__ = _no_arithmetic
 
 
-def check_scalify_inputs(leaves: list, tree: Any = None) -> None:
+def check_scalify_inputs(leaves: list, tree: Any = None, nested: bool = False) -> None:
     """Check the ``ScaledArray`` leaves that :func:`jax_scalify.scalify` receives.
 
     Scales must be scalars (every scale rule assumes one; checked under ``jax.jit`` too) and
     data floating arrays; concrete scales must hold valid values (see :class:`ScaledArray`),
     fetched from the device in one transfer. This catches ``ScaledArray``s that plain
     ``jax.tree`` functions rebuilt without the constructor's checks. ``tree`` (the pytree
-    the leaves come from) only serves to name the culprit in the error.
+    the leaves come from) only serves to name the culprit in the error. ``nested``: the call
+    comes from code that an outer ``scalify`` is tracing, where ``jax.vmap``/``jax.grad``
+    tracers are the outer function's own (and legitimate).
     """
     scaled = [(i, x) for i, x in enumerate(leaves) if isinstance(x, ScaledArray)]
     for i, x in scaled:
-        transform = _outer_transformation(x.scale)
+        transform = None if nested or known_pow2.is_tracking() else _outer_transformation(x.scale)
         if transform:
             raise TypeError(
                 f"jsa.scalify: the ScaledArray at {_leaf_name(tree, i)} is traced by {transform} applied "

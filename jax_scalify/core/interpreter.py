@@ -104,7 +104,7 @@ def scalify(fun: Callable[..., Any]) -> Callable[..., Any]:
         if _is_tracing_user_code() and not any(isinstance(x, ScaledArray) for x in leaves):
             # Called while an outer scalify traces: the outer interpreter sees these equations.
             return fun(*args, **kwargs)
-        check_scalify_inputs(leaves, (args, kwargs))
+        check_scalify_inputs(leaves, (args, kwargs), nested=_is_tracing_user_code())
         dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
         closed_jaxpr, out_tree = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
         dynamic_leaves = [leaves[i] for i in dynamic]
