@@ -174,7 +174,7 @@ def explain(results: dict[str, dict], tolerance: float = 0.01) -> list[str]:
     if plain is not None and abs(plain["test_accuracy"] - ref["test_accuracy"]) <= tolerance:
         sentences.append(
             "FP8 without scales trains as well here: on a task this small, with standardised inputs and "
-            "He-initialised weights, the values stay within the E4M3/E5M2 ranges, so this demo shows that "
+            "He-initialised weights, the values evidently stay within the E4M3/E5M2 ranges, so this demo shows that "
             "scalify costs no accuracy, not that it is needed. For a model where FP8 without scales falls "
             "behind and scalify does not, run the GPT experiment (docs/experiments.md)."
         )

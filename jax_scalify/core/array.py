@@ -1,6 +1,7 @@
 """The data model: ``ScaledArray``, a pair ``(data, scale)`` whose value is ``data * scale``."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -43,10 +44,15 @@ def _is_concrete(x: Any) -> bool:
     return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
 
 
-def _host_values(x: Any) -> np.ndarray:
+def _local(x: Any) -> Any:
+    """``x``, or for a JAX array spread over several processes this process's first block."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        x = x.addressable_data(0)  # this process's block; the others are checked by their process
-    return np.asarray(x)
+        return x.addressable_data(0)  # the other blocks are checked by their processes
+    return x
+
+
+def _host_values(x: Any) -> np.ndarray:
+    return np.asarray(_local(x))
 
 
 def _scale_problem(values: np.ndarray) -> str | None:
@@ -248,18 +254,20 @@ class ScaledArray:
     __lt__ = __le__ = __gt__ = __ge__ = __getitem__ = _no_arithmetic
 
 
-def check_scalify_inputs(leaves: list, tree: Any = None) -> None:
+def check_scalify_inputs(leaves: list, tree: Any = None, nested: bool = False) -> None:
     """Check the ``ScaledArray`` leaves that :func:`jax_scalify.scalify` receives.
 
     Scales must be scalars (every scale rule assumes one; checked under ``jax.jit`` too) and
     data floating arrays; concrete scales must hold valid values (see :class:`ScaledArray`),
     fetched from the device in one transfer. This catches ``ScaledArray``s that plain
     ``jax.tree`` functions rebuilt without the constructor's checks. ``tree`` (the pytree
-    the leaves come from) only serves to name the culprit in the error.
+    the leaves come from) only serves to name the culprit in the error. ``nested``: the call
+    comes from code that an outer ``scalify`` is tracing, where ``jax.vmap``/``jax.grad``
+    tracers are the outer function's own (and legitimate).
     """
     scaled = [(i, x) for i, x in enumerate(leaves) if isinstance(x, ScaledArray)]
     for i, x in scaled:
-        transform = _outer_transformation(x.scale)
+        transform = None if nested or known_pow2.is_tracking() else _outer_transformation(x.scale)
         if transform:
             raise TypeError(
                 f"jsa.scalify: the ScaledArray at {_leaf_name(tree, i)} is traced by {transform} applied "
@@ -290,11 +298,48 @@ def check_scalify_inputs(leaves: list, tree: Any = None) -> None:
     concrete = [(i, x.scale) for i, x in scaled if _is_concrete(x.scale)]
     if not concrete:
         return
-    values = jax.device_get([s for _, s in concrete])
-    for (i, _), value in zip(concrete, values):
-        problem = _scale_problem(np.asarray(value))
+    require_pow2 = get_scalify_config().rounding_mode != Pow2RoundMode.NONE
+    numpy_ok = all(
+        _scale_problem(np.asarray(s)) is None for _, s in concrete if isinstance(s, (np.ndarray, np.generic))
+    )
+    on_device = [_local(s) for _, s in concrete if isinstance(s, jax.Array)]
+    # One fused check on the device and one boolean back, rather than a transfer per scale.
+    if numpy_ok and (not on_device or bool(_device_scales_valid(require_pow2, *on_device))):
+        return
+    for i, scale in concrete:  # rare: find the culprit on the host for the message
+        values = _host_values(scale)
+        problem = _scale_problem(values)
         if problem is not None:
-            raise _scale_error(f"jsa.scalify: the ScaledArray at {_leaf_name(tree, i)} has a", np.asarray(value), problem)
+            raise _scale_error(f"jsa.scalify: the ScaledArray at {_leaf_name(tree, i)}:", values, problem)
+
+
+def _scale_bits_valid(scale: Array, require_pow2: bool) -> Array:
+    """True where ``scale`` is +-0 or positive finite (and a power of two if ``require_pow2``).
+
+    Reads the bit pattern with integer operations only: comparisons of floats would treat
+    subnormal scales as zero on backends that flush them.
+    """
+    info = jnp.finfo(scale.dtype)
+    uint = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[np.dtype(scale.dtype).itemsize]
+    bits = jax.lax.bitcast_convert_type(scale, uint)
+    nbits, nmant = 8 * np.dtype(scale.dtype).itemsize, info.nmant
+    magnitude = bits & uint((1 << (nbits - 1)) - 1)
+    negative = (bits >> (nbits - 1)) != 0
+    exponent = magnitude >> nmant
+    mantissa = magnitude & uint((1 << nmant) - 1)
+    exponent_all_ones = uint((1 << (nbits - 1 - nmant)) - 1)
+    zero = magnitude == 0
+    finite_positive = ~negative & (exponent != exponent_all_ones)
+    if not require_pow2:
+        return jnp.all(zero | finite_positive)
+    normal_pow2 = (exponent != 0) & (mantissa == 0)
+    subnormal_pow2 = (exponent == 0) & (jax.lax.population_count(mantissa) == 1)
+    return jnp.all(zero | (finite_positive & (normal_pow2 | subnormal_pow2)))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _device_scales_valid(require_pow2: bool, *scales: Array) -> Array:
+    return jnp.all(jnp.stack([_scale_bits_valid(s, require_pow2) for s in scales]))
 
 
 # Tracer types (by name: their classes are not public JAX API) of the transformations that must

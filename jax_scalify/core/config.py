@@ -19,7 +19,9 @@ import numpy as np
 class Pow2RoundMode(enum.IntEnum):
     """How a scale is turned into a power of two.
 
-    - ``NONE``: no rounding; scales are whatever the rule computes (not powers of two).
+    - ``NONE``: no rounding; scales are whatever the rule computes (not powers of two). While
+      it is in force, ``ScaledArray`` and ``scalify`` accept any positive finite scale (or 0)
+      instead of requiring a power of two.
     - ``DOWN``: round down, ``2**floor(log2(s))`` (the default: the Scalify paper found it
       keeps data closest to unit scale).
     - ``UP``: round up, ``2**ceil(log2(s))``.

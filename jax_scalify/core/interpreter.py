@@ -135,7 +135,7 @@ def _scalified_call(trace_cache, fun, args, kwargs):
         # Called while an outer scalify traces: the outer interpreter sees these equations.
         args, kwargs = jax.tree.unflatten(in_tree, [_release_static(x) for x in leaves])
         return fun(*args, **kwargs)
-    check_scalify_inputs(leaves, (args, kwargs))
+    check_scalify_inputs(leaves, (args, kwargs), nested=_is_tracing_user_code())
     dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
     closed_jaxpr, out_tree, static_outs = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
     dynamic_leaves = [leaves[i] for i in dynamic]

@@ -55,8 +55,9 @@ def scaled_shardings(tree: PyTree, shardings: Sharding | PyTree) -> PyTree:
         tree: a pytree of arrays and ``ScaledArray`` (only its structure is used, so
             ``jax.ShapeDtypeStruct`` leaves work too).
         shardings: one ``Sharding`` for every leaf, or a tree with the structure of ``tree``
-            where each ``ScaledArray`` is one leaf (a ``Sharding`` for its data, or ``None`` to
-            leave it unconstrained).
+            where each ``ScaledArray`` is one leaf (a ``Sharding`` for its data, or ``None``
+            for JAX's default: unconstrained in ``jax.jit``, the default device in
+            ``jax.device_put``).
 
     Returns:
         A tree to pass to ``jax.device_put`` or as ``in_shardings``/``out_shardings`` of

@@ -141,7 +141,7 @@ def test_traced_scales_are_not_checked_but_scalify_inputs_are():
     assert float(out) == 3.0
     # A ScaledArray rebuilt by a plain jax.tree function bypasses the constructor: scalify checks.
     tripled = jax.tree.map(lambda v: v * 3, jsa.as_scaled_array({"w": jnp.array([1.0, 2.0])}))
-    with pytest.raises(ValueError, match=r"args\[0\]\['w'\] has a scale 3.0 is not a power of two"):
+    with pytest.raises(ValueError, match=r"args\[0\]\['w'\]: scale 3.0 is not a power of two"):
         jsa.scalify(lambda t: jnp.sum(t["w"]))(tripled)
 
 
@@ -228,3 +228,19 @@ def test_grad_and_vmap_outside_scalify_say_to_move_them_inside():
         jax.jvp(jsa.scalify(jnp.sin), (x,), (x,))
     grads = jax.jit(jsa.scalify(jax.grad(lambda a: jnp.sum(a * a))))(x)  # the right way
     np.testing.assert_array_equal(grads.to_array(), [2.0, 4.0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_device_check_of_scalify_inputs_agrees_with_the_host_check(dtype):
+    """scalify checks device scales with one fused bit-level computation; it must match the host rule."""
+    from jax_scalify.core import array as array_module
+
+    tiny = float(jnp.finfo(dtype).smallest_subnormal)
+    specials = [0.0, -0.0, 1.0, 2.0**-3, tiny, tiny * 2, tiny * 3, 3.0, -2.0, np.inf, np.nan, 0.75]
+    for value in specials:
+        scale = jnp.asarray(value, dtype)
+        for mode in (jsa.Pow2RoundMode.DOWN, jsa.Pow2RoundMode.NONE):
+            with jsa.ScalifyConfig(rounding_mode=mode):
+                host_ok = array_module._scale_problem(np.asarray(scale.astype(jnp.float32))) is None
+                device_ok = bool(array_module._device_scales_valid(mode != jsa.Pow2RoundMode.NONE, scale))
+            assert host_ok == device_ok, (value, mode)
