@@ -12,7 +12,8 @@ For each program (see the modules of this package):
 - FP8 (programs with dense layers): the FP8 recipe of ``jsa.nn.linear`` (E4M3 forward, E5M2
   gradients) in every dense layer, on scaled float16 state, ends within 10% of float32.
 
-The short runs are part of the default test run; the long ones are marked ``slow``.
+The invariance checks and the short FP16 runs are part of the default test run; the FP8 runs
+and the long FP16 runs are marked ``slow`` (each FP8 run compiles two more scalified steps).
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ def test_fp16_short(program: Program, record_property):
     check_fp16(program, program.fp16_steps, record_property)
 
 
+@pytest.mark.slow
 @by_name(DENSE_PROGRAMS)
 def test_fp8_short(program: Program, record_property):
     check_fp8(program, program.fp16_steps, record_property)
