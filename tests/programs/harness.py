@@ -199,9 +199,10 @@ def train(program: Program, mode: str, steps: int, seed: int = 0) -> np.ndarray:
     return np.asarray(losses)
 
 
-def final_loss(losses: Sequence[float], last: int = 5) -> float:
-    """The mean of the last ``last`` training losses (one batch's loss is noisy)."""
-    return float(np.mean(np.asarray(losses)[-last:]))
+def final_loss(losses: Sequence[float]) -> float:
+    """The mean training loss of the last tenth of the run (at least 5 steps): one batch's loss is noisy."""
+    losses = np.asarray(losses)
+    return float(np.mean(losses[-max(5, len(losses) // 10) :]))
 
 
 def relative_gap(loss: float, reference: float) -> float:
