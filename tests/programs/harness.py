@@ -86,11 +86,10 @@ def functional_call(compiled: Callable, state: tuple, batch: Batch) -> tuple[Any
 def _setup(program: Program, mode: str) -> tuple[optax.GradientTransformation, Callable]:
     """The optimizer and the compiled step of ``program`` in ``mode`` (compiled once per session)."""
     tx = program.make_optimizer()
-    fp8 = mode == "fp8_scalify"
-    if mode in ("fp16_scalify", "fp8_scalify"):
+    scalified = mode in ("fp16_scalify", "fp8_scalify")
+    if scalified:
         tx = recipe.optimizer(tx)
-    step = program.make_train_step(tx, fp8)
-    scalified = mode != "fp32" and mode != "fp16_plain"
+    step = program.make_train_step(tx, mode == "fp8_scalify")
     return tx, (recipe.compile_step(step, program.jit) if scalified else program.jit(step))
 
 
@@ -178,7 +177,7 @@ def train(program: Program, mode: str, steps: int, seed: int = 0) -> np.ndarray:
 
     - ``fp32``: the program as written;
     - ``fp16_scalify``: the recipe (:mod:`tests.programs.recipe`) in float16;
-    - ``fp16_plain``: the same compiled code as ``fp32``, on float16 state and inputs;
+    - ``fp16_plain``: the code of ``fp32``, on float16 state and inputs (no scalify);
     - ``fp8_scalify``: as ``fp16_scalify``, the dense layers taking the FP8 recipe.
     """
     if mode not in MODES:

@@ -31,13 +31,23 @@ def is_floating_array(x: Any) -> bool:
 
 
 def optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """The optimizer as the scaled FP16 run uses it (today: unchanged)."""
+    """The optimizer as the scaled FP16 and FP8 runs use it (today: unchanged).
+
+    The programs call ``tx.init`` on their float32 parameters, then :func:`scale_state`
+    converts the whole state; an optimizer wrapper whose ``init`` returns ``ScaledArray``
+    leaves keeps them, since :func:`scale_state` leaves ``ScaledArray`` leaves alone.
+    """
     return tx
 
 
 def scale_state(state: Any, dtype=FP16) -> Any:
-    """Parameters and optimizer state: each floating leaf a unit-scaled ``ScaledArray`` of ``dtype``."""
-    return jax.tree.map(lambda x: _scaled(x, dtype) if is_floating_array(x) else x, state)
+    """Parameters and optimizer state: each floating array a unit-scaled ``ScaledArray`` of ``dtype``.
+
+    ``ScaledArray`` leaves (already scaled) and non-floating leaves are returned unchanged.
+    """
+    return jax.tree.map(
+        lambda x: _scaled(x, dtype) if is_floating_array(x) else x, state, is_leaf=jsa.is_scaled_leaf
+    )
 
 
 def scale_batch(batch: Any, dtype=FP16) -> Any:
