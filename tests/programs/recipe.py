@@ -1,0 +1,85 @@
+"""How a user turns a float32 training program into a scaled FP16 / FP8 one: the whole recipe.
+
+This is the only module of the suite that knows the library's API for low precision: the
+programs are written without scalify in mind, and the harness calls these functions. When
+the recommended recipe changes (an optimizer-state wrapper, a rescale policy), change it here.
+
+Today's recipe is the README's: every floating leaf of the training state (parameters and
+optimizer state) becomes a ``ScaledArray`` with float16 data (``jsa.as_scaled_array`` then
+``jsa.tree.astype``), so do the floating inputs of each batch, and the step runs as
+``jit(jsa.scalify(step))``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jax_scalify as jsa
+
+FP16 = jnp.float16
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+FP8_LINEAR = dict(fwd_dtype=E4M3, bwd_dtype=E5M2)  # the keyword arguments of ``jsa.nn.linear``
+
+
+def is_floating_array(x: Any) -> bool:
+    """A JAX or NumPy array of a floating dtype (PRNG keys, integers and non-arrays are not)."""
+    return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """The optimizer as the scaled FP16 and FP8 runs use it (today: unchanged).
+
+    The programs call ``tx.init`` on their float32 parameters, then :func:`scale_state`
+    converts the whole state; an optimizer wrapper whose ``init`` returns ``ScaledArray``
+    leaves keeps them, since :func:`scale_state` leaves ``ScaledArray`` leaves alone.
+    """
+    return tx
+
+
+def scale_state(state: Any, dtype=FP16) -> Any:
+    """Parameters and optimizer state: each floating array a unit-scaled ``ScaledArray`` of ``dtype``.
+
+    ``ScaledArray`` leaves (already scaled) and non-floating leaves are returned unchanged.
+    """
+    return jax.tree.map(
+        lambda x: _scaled(x, dtype) if is_floating_array(x) else x, state, is_leaf=jsa.is_scaled_leaf
+    )
+
+
+def scale_batch(batch: Any, dtype=FP16) -> Any:
+    """The floating inputs of a batch as ``ScaledArray`` of ``dtype``; labels, tokens, keys unchanged."""
+    return scale_state(batch, dtype)
+
+
+def _scaled(x, dtype) -> jsa.ScaledArray:
+    return jsa.tree.astype(jsa.as_scaled_array(jnp.asarray(x)), dtype)
+
+
+def compile_step(step: Callable, jit: Callable[[Callable], Callable]) -> Callable:
+    """The user's step under scalify, compiled with the program's own ``jit``."""
+    return jit(jsa.scalify(step))
+
+
+def value(x: Any) -> Any:
+    """Plain arrays from a (possibly) scaled result."""
+    return jsa.asarray(x)
+
+
+def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **_):
+    """A ``dot_general`` for ``flax`` ``Dense``/``Linear`` layers running ``jsa.nn.linear``'s FP8 recipe.
+
+    The library has no FP8 ``dot_general`` of its own, so this adapts the documented FP8 path
+    (``jsa.nn.linear(x, w, fwd_dtype=E4M3, bwd_dtype=E5M2)``) to the signature that
+    ``nn.Dense(dot_general=...)`` and ``nnx.Linear(dot_general=...)`` call: ``x[..., K] @ w[K, N]``.
+    """
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    if jnp.ndim(rhs) != 2 or tuple(lhs_contract) != (jnp.ndim(lhs) - 1,) or tuple(rhs_contract) != (0,) or lhs_batch or rhs_batch:
+        raise NotImplementedError(
+            f"fp8_dot_general handles x[..., K] @ w[K, N] only (a Dense layer), got dimension numbers {dimension_numbers} "
+            f"for shapes {jnp.shape(lhs)} and {jnp.shape(rhs)}."
+        )
+    return jsa.nn.linear(lhs, rhs, **FP8_LINEAR)

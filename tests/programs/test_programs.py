@@ -1,0 +1,96 @@
+"""The real-program suite: six training programs, as their libraries' users write them, under scalify.
+
+For each program (see the modules of this package):
+
+- float32 invariance: two steps under ``jit(jsa.scalify(step))`` with every floating input
+  leaf at a random power-of-two scale in ``2**-8 .. 2**8`` match the plain float32 steps to
+  a relative error of at most ``1e-4`` (every output leaf: losses, parameters, optimizer
+  and model state);
+- FP16: training with the recipe of :mod:`tests.programs.recipe` (scaled float16 state and
+  inputs) ends within 5% of the float32 loss; plain float16 (the same code on float16
+  arrays) runs beside it and its loss is reported, not checked;
+- FP8 (programs with dense layers): the FP8 recipe of ``jsa.nn.linear`` (E4M3 forward, E5M2
+  gradients) in every dense layer, on scaled float16 state, ends within 10% of float32.
+
+The invariance checks and the short FP16 runs are part of the default test run; the FP8 runs
+and the long FP16 runs are marked ``slow`` (each FP8 run compiles two more scalified steps).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from . import conv_eqx, cnn_nnx, diffusion_linen, gpt_linen, gru_eqx, mlp_jax
+from .harness import Program, final_loss, invariance_errors, relative_gap, train
+
+PROGRAMS = [m.PROGRAM for m in (gpt_linen, cnn_nnx, gru_eqx, conv_eqx, diffusion_linen, mlp_jax)]
+DENSE_PROGRAMS = [p for p in PROGRAMS if p.has_dense]
+INVARIANCE_TOLERANCE = 1e-4
+FP16_TOLERANCE = 0.05
+FP8_TOLERANCE = 0.10
+
+by_name = functools.partial(pytest.mark.parametrize, "program", ids=lambda p: p.name)
+
+
+@functools.lru_cache(maxsize=None)
+def losses(program: Program, mode: str, steps: int) -> np.ndarray:
+    """Training losses, computed once per session (the FP16 and FP8 tests share the FP32 run)."""
+    return train(program, mode, steps)
+
+
+@by_name(PROGRAMS)
+def test_float32_invariance(program: Program, record_property):
+    errors = invariance_errors(program, steps=2)
+    worst = max(errors, key=errors.get)
+    record_property("worst_relative_error", errors[worst])
+    print(f"\n{program.name}: float32 invariance, worst relative error {errors[worst]:.3g} at {worst}")
+    assert errors[worst] <= INVARIANCE_TOLERANCE, (
+        f"{program.name}: scalified float32 differs from plain float32 by {errors[worst]:.3g} (relative) at {worst}; "
+        f"errors above tolerance: { {k: v for k, v in errors.items() if v > INVARIANCE_TOLERANCE} }"
+    )
+
+
+def check_fp16(program: Program, steps: int, record_property) -> None:
+    final = {mode: final_loss(losses(program, mode, steps)) for mode in ("fp32", "fp16_scalify", "fp16_plain")}
+    for mode, loss in final.items():
+        record_property(f"final_loss_{mode}", loss)
+    print(f"\n{program.name}, {steps} steps, final losses: " + ", ".join(f"{m} {v:.4f}" for m, v in final.items()))
+    assert np.isfinite(final["fp32"]), f"{program.name}: the float32 run itself diverged"
+    gap = relative_gap(final["fp16_scalify"], final["fp32"])
+    assert gap <= FP16_TOLERANCE, (
+        f"{program.name}: scalified FP16 ends at {final['fp16_scalify']:.4f}, {gap:.1%} from FP32's "
+        f"{final['fp32']:.4f} (plain FP16: {final['fp16_plain']:.4f})"
+    )
+
+
+def check_fp8(program: Program, steps: int, record_property) -> None:
+    fp32, fp8 = (final_loss(losses(program, mode, steps)) for mode in ("fp32", "fp8_scalify"))
+    record_property("final_loss_fp8_scalify", fp8)
+    print(f"\n{program.name}, {steps} steps, final losses: fp32 {fp32:.4f}, fp8_scalify {fp8:.4f}")
+    gap = relative_gap(fp8, fp32)
+    assert gap <= FP8_TOLERANCE, f"{program.name}: scalified FP8 ends at {fp8:.4f}, {gap:.1%} from FP32's {fp32:.4f}"
+
+
+@by_name(PROGRAMS)
+def test_fp16_short(program: Program, record_property):
+    check_fp16(program, program.fp16_steps, record_property)
+
+
+@pytest.mark.slow
+@by_name(DENSE_PROGRAMS)
+def test_fp8_short(program: Program, record_property):
+    check_fp8(program, program.fp16_steps, record_property)
+
+
+@pytest.mark.slow
+@by_name(PROGRAMS)
+def test_fp16_long(program: Program, record_property):
+    check_fp16(program, program.slow_steps, record_property)
+
+
+@pytest.mark.slow
+@by_name(DENSE_PROGRAMS)
+def test_fp8_long(program: Program, record_property):
+    check_fp8(program, program.slow_steps, record_property)
