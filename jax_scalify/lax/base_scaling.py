@@ -17,7 +17,7 @@ from jax import lax
 from ..core.array import ScaledArray
 from ..core.config import get_scalify_config
 from ..core.known_pow2 import all_known_pow2, is_known_pow2, mark_pow2
-from ..core.pow2 import pow2_round
+from ..core.pow2 import pow2_round, pow2_round_up
 from ..core.promotion import AnyScaleArray, is_any_scale
 
 Array = Any
@@ -184,18 +184,44 @@ def zero_to_one(scale: Array) -> Array:
     return mark_pow2(out) if is_known_pow2(scale) else out
 
 
+def _is_trace_time_constant(x: ScaledArray) -> bool:
+    return not is_any_scale(x) and is_numpy(x.data) and is_numpy(x.scale)
+
+
+def _fitting_scale(x: ScaledArray) -> np.ndarray:
+    """For a trace-time constant: the smallest power of two at which its data fits its dtype.
+
+    Capped at the constant's own scale. A constant aligned with traced operands (a mask value
+    ``-1e9`` in ``where(mask, x, -1e9)``) then raises the common scale only as far as its
+    data dtype needs: with float16 data ``-1e9`` fits at ``2**14``, where its own scale
+    ``2**30`` would flush ``x``'s data to zero; with float32 data it leaves ``x``'s scale.
+    """
+    own = as_scale(x.scale)
+    data = np.asarray(x.data)
+    if data.size and not any(data.strides):  # a broadcast scalar: one value to look at
+        data = data.reshape(-1)[:1]
+    with np.errstate(over="ignore", invalid="ignore"):
+        magnitude = np.max(np.abs(data.astype(np.float64)) * np.asarray(own, np.float64), initial=0.0)
+    if not np.isfinite(magnitude) or np.ndim(own) != 0:
+        return own
+    need = pow2_round_up(np.asarray(magnitude / float(jnp.finfo(x.dtype).max), scale_dtype()))
+    return as_scale(np.minimum(own, need))
+
+
 def largest_scale(operands: Sequence[ScaledArray]) -> Array:
     """The largest scale among the operands that have one (any-scale operands skipped).
 
     Operands sharing one scale object count once (no ``max(s, s)`` equation); the result is
     marked a power of two when every scale is one. If the largest of several scales is 0
     (every operand asserted zero) the result is 1, so rescaling to it gives 0 rather than
-    ``0 / 0``.
+    ``0 / 0``. Next to other operands, a trace-time constant counts with the smallest
+    power-of-two scale at which it fits its data dtype (see :func:`_fitting_scale`).
     """
+    fit_constants = not all(_is_trace_time_constant(x) for x in operands if not is_any_scale(x))
     scales = []
-    for x in operands:
+    for x in sorted(operands, key=lambda x: not _is_trace_time_constant(x)):  # NumPy scales fold first
         if not is_any_scale(x):
-            s = as_scale(x.scale)
+            s = _fitting_scale(x) if fit_constants and _is_trace_time_constant(x) else as_scale(x.scale)
             if not any(s is t for t in scales):
                 scales.append(s)
     if not scales:

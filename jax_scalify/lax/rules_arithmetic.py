@@ -322,8 +322,17 @@ def scaled_copy(x: ScaledArray, **params) -> ScaledArray:
 
 
 def _convert_scalar(scalar: np.ndarray, *, new_dtype: Any, **params) -> np.ndarray:
+    """The converted constant; a float narrowed to a smaller float keeps its exact value.
+
+    The scalar tracks the value a constant stands for where it meets scaled data, where
+    promotion splits it into a power-of-two scale and a mantissa: ``1e-8`` cast to float16
+    (0 there) or ``-1e9`` (-inf) keep their value. The bound equation still converts.
+    """
+    scalar = np.asarray(scalar)
+    if is_floating_dtype(scalar.dtype) and is_floating_dtype(new_dtype) and np.dtype(new_dtype).itemsize < scalar.dtype.itemsize:
+        return scalar
     with np.errstate(invalid="ignore", over="ignore"):  # nan/inf to int: as undefined as in XLA
-        return np.asarray(scalar).astype(new_dtype)
+        return scalar.astype(new_dtype)
 
 
 def _reduce_precision_scalar(scalar: np.ndarray, *, exponent_bits: int, mantissa_bits: int) -> np.ndarray:
