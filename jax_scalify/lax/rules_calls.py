@@ -130,7 +130,7 @@ def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: 
         value = _constant_value(arg)
         if value is not None:
             bound = np.asarray(arg.to_array() if isinstance(arg, ScaledArray) else arg).reshape(())
-            constants.append((i, bound.dtype.str, bound.item(), value.dtype.str, value.item()))
+            constants.append((i, bound.dtype, bound.item(), value.dtype, value.item()))
         elif _is_const_scale(arg):
             scale = np.asarray(arg.scale)
             const_scales.append((i, scale.dtype.str, scale.shape, tuple(scale.ravel().tolist())))
