@@ -284,7 +284,7 @@ def _same(a: np.ndarray, b: Any) -> bool:
 
 def _lost_message(wide: np.ndarray, rounded: np.ndarray, dtype: np.dtype, where: str) -> str:
     return (
-        f"scalify: the constant {float(wide)!r} became {float(rounded)!r} when traced on {dtype} data "
+        f"scalify: the constant {float(wide):.7g} became {float(rounded)!r} when traced on {dtype} data "
         f"and meets a scaled value here:\n  from:   {where}\n"
         "Its exact value could not be recovered (the function does not trace the same way on float32 "
         "inputs). Write the constant so that it does not depend on the data dtype, e.g. compute it "
