@@ -275,14 +275,19 @@ def _is_trace_time_constant(x: ScaledArray) -> bool:
 
 
 def _fitting_scale(x: ScaledArray) -> np.ndarray:
-    """For a trace-time constant: the smallest power of two at which its data fits its dtype.
+    """For a trace-time constant: the smallest power of two at which its data fits its dtype
+    with headroom (a factor 2 for 16- and 8-bit data, half the exponent range, ``2**64``, for
+    float32), at least the smallest normal scale, at most the constant's own scale.
 
-    Capped at the constant's own scale. A constant aligned with traced operands (a mask value
-    ``-1e9`` in ``where(mask, x, -1e9)``) then raises the common scale only as far as its
-    data dtype needs: with float16 data ``-1e9`` fits at ``2**14``, where its own scale
-    ``2**30`` would flush ``x``'s data to zero; with float32 data it leaves ``x``'s scale.
+    A constant aligned with traced operands (a mask value ``-1e9`` in ``where(mask, x, -1e9)``,
+    float32 max in ``nan_to_num``) then raises the common scale only as far as its data dtype
+    needs: with float16 data ``-1e9`` fits at ``2**15``, where its own scale ``2**30`` would
+    flush ``x``'s data to zero; float32 max fits at ``2**64`` rather than ``2**127``, which
+    would leave ``x``'s float32 data subnormal.
     """
     own = as_scale(x.scale)
+    info = jnp.finfo(x.dtype)
+    headroom = 2.0 ** (int(info.maxexp) // 2) if info.bits >= 32 else 2.0
     data = np.asarray(x.data)
     if data.size and not any(data.strides):  # a broadcast scalar: one value to look at
         data = data.reshape(-1)[:1]
@@ -290,8 +295,8 @@ def _fitting_scale(x: ScaledArray) -> np.ndarray:
         magnitude = np.max(np.abs(data.astype(np.float64)) * np.asarray(own, np.float64), initial=0.0)
     if not np.isfinite(magnitude) or np.ndim(own) != 0:
         return own
-    need = pow2_round_up(np.asarray(magnitude / float(jnp.finfo(x.dtype).max), scale_dtype()))
-    return as_scale(np.minimum(own, need))
+    need = pow2_round_up(np.asarray(headroom * magnitude / float(info.max), scale_dtype()))
+    return as_scale(np.minimum(own, np.maximum(need, scale_bounds()[0])))
 
 
 def largest_scale(operands: Sequence[ScaledArray]) -> Array:

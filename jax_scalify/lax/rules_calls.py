@@ -25,6 +25,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr
 
 from ..core.array import ScaledArray
+from ..core.config import ScalifyConfig, get_scalify_config
 from ..core.interpreter import concrete_scalar, eval_scaled_jaxpr, unpromoted_inputs
 from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..core.promotion import AnyScaleArray
@@ -61,8 +62,8 @@ class _CallSignature(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def _jitted_body(jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, signature: _CallSignature):
-    """One ``jax.jit`` per sub-jaxpr and :class:`_CallSignature` (JAX caches compilations).
+def _jitted_body(jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, signature: _CallSignature, config: ScalifyConfig):
+    """One ``jax.jit`` per sub-jaxpr, :class:`_CallSignature` and configuration (JAX caches compilations).
 
     The returned function has an ``out_pow2`` dict: for each type signature of the dynamic
     arguments it was traced for, per output, whether its scale is known to be a power of two.
@@ -140,7 +141,7 @@ def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: 
                 pow2_scales.append(i)
             dynamic.append(arg)
     signature = _CallSignature(tuple(constants), tuple(const_scales), tuple(pow2_scales))
-    body = _jitted_body(jaxpr, name, inline, keep_unused, signature)
+    body = _jitted_body(jaxpr, name, inline, keep_unused, signature, get_scalify_config())
     outs = body(*dynamic)
     for out, known in zip(outs, body.out_pow2.get(_types(tuple(dynamic)), ())):
         if known:
