@@ -47,12 +47,20 @@ class ScalifyConfig:
             values. Float32 by default (the paper simulates E8M0 scales in float32); it is
             never silently the data dtype (``None``, which meant the data dtype in
             jax-scalify 0.1, gives the float32 default).
+        guard_traced_scales: keep the traced (run-time) scales of products and quotients
+            (``mul``, ``div``, ``dot_general``, ``conv``, sums' ``sqrt(K)`` factors,
+            ``integer_pow``) within the scale dtype's normal range, moving the excess into
+            the data, as is always done for trace-time scales. Off by default: it costs five
+            scalar operations and one data multiply per product, which raised the compile
+            time of the benchmark steps by 40-85% (see ``docs/benchmarks.md``). Turn it on
+            for programs whose scales approach ``2**±127``.
 
     Use as a context manager to change the settings for the code traced inside it.
     """
 
     rounding_mode: Pow2RoundMode = Pow2RoundMode.DOWN
     scale_dtype: Any = np.float32
+    guard_traced_scales: bool = False
 
     def __post_init__(self):
         if not isinstance(self.rounding_mode, Pow2RoundMode):
@@ -76,6 +84,8 @@ class ScalifyConfig:
                 "Scales need the exponent range of a 16-bit or wider float; float32 is the default."
             )
         object.__setattr__(self, "scale_dtype", dtype)
+        if not isinstance(self.guard_traced_scales, bool):
+            raise ValueError(f"ScalifyConfig.guard_traced_scales must be True or False, got {self.guard_traced_scales!r}.")
 
     def __enter__(self) -> "ScalifyConfig":
         _config_stack().append(self)

@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import traceback as pytraceback
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -29,7 +30,7 @@ import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, jaxprs_in_params
 
-from . import known_pow2
+from . import constants, known_pow2
 from .array import ScaledArray, check_scalify_inputs, is_floating_dtype, is_scaled_leaf
 from .promotion import AnyScaleArray, promote
 from .registry import ScaledPrimitiveType, find_registered_scaled_op, scalar_preserving_fn
@@ -139,7 +140,7 @@ def _scalified_call(trace_cache, fun, args, kwargs):
     dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
     closed_jaxpr, out_tree, static_outs = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
     dynamic_leaves = [leaves[i] for i in dynamic]
-    with known_pow2.tracking():
+    with known_pow2.tracking(), constants.exact_constants(_exact_constants.get(closed_jaxpr.jaxpr)):
         outs = eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, dynamic_leaves)
     return _rebuild_outputs(out_tree, static_outs, outs)
 
@@ -277,7 +278,26 @@ def _trace_on_data(fun, in_tree, leaves, dynamic) -> tuple[ClosedJaxpr, Any, dic
 
     examples = [leaves[i].data if isinstance(leaves[i], ScaledArray) else leaves[i] for i in dynamic]
     closed_jaxpr = jax.make_jaxpr(flat_fun)(*examples)
+    _recover_exact_constants(closed_jaxpr, flat_fun, examples)
     return (closed_jaxpr, *out_box[0])
+
+
+# Exact values of the constants that a trace on narrow-float data rounded (see core.constants),
+# per traced jaxpr; kept as long as the jaxpr (e.g. in a trace cache).
+_exact_constants: "weakref.WeakKeyDictionary[Jaxpr, constants.ExactConstants]" = weakref.WeakKeyDictionary()
+
+
+def _recover_exact_constants(closed_jaxpr: ClosedJaxpr, flat_fun, examples) -> None:
+    """Trace ``flat_fun`` again on float32 stand-ins of the narrow inputs if the data trace
+    may have lost constants; only then (float32 programs are traced once)."""
+    if not any(constants.is_narrow_float(getattr(x, "dtype", np.int32)) for x in examples):
+        return
+    if not constants.has_narrow_constants(closed_jaxpr):
+        return
+    widened = [constants.widened_example(x) for x in examples]
+    found = constants.recover(closed_jaxpr, lambda: jax.make_jaxpr(flat_fun)(*widened))
+    if found:
+        _exact_constants[closed_jaxpr.jaxpr] = found
 
 
 def eval_scaled_jaxpr(
@@ -344,6 +364,7 @@ def _eval_equation(eqn: JaxprEqn, invals: list, in_scalars: list) -> tuple[list,
     )
     if not needs_rule:
         return _bind(eqn, invals), _propagate_scalars(eqn, in_scalars)
+    constants.check_not_lost(eqn)
     if rule is None:
         raise _missing_rule_error(eqn, invals)
     if getattr(rule, "_jsa_unpromoted_inputs", False):
@@ -387,7 +408,13 @@ def _promote_if_floating(x, scalar):
 
 
 def concrete_scalar(value) -> np.ndarray | None:
-    """The value as a 0-d NumPy array if it is a concrete (not traced) size-1 number."""
+    """The value as a 0-d NumPy array if it is a concrete (not traced) size-1 number.
+
+    For a constant of a narrow-float trace, its exact value (see :mod:`jax_scalify.core.constants`).
+    """
+    exact = constants.exact_value(value)
+    if exact is not None:
+        return exact
     if isinstance(value, (bool, int, float)):
         return np.asarray(value)
     if isinstance(value, jax.core.Tracer) or not hasattr(value, "dtype") or np.size(value) != 1:

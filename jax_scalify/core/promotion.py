@@ -54,21 +54,31 @@ def promote(value: Any, scalar: np.ndarray | None) -> ScaledArray:
         return AnyScaleArray(value, np.ones((), scale_dtype))
     if np.isnan(scalar):
         return ScaledArray(value, np.ones((), scale_dtype))
-    scale, mantissa = nearest_pow2_split(np.asarray(scalar, np.float64))
+    scale, mantissa = nearest_pow2_split(np.asarray(scalar, np.float64), scale_dtype)
     data = np.broadcast_to(mantissa.astype(value.dtype), np.shape(value))
     return ScaledArray(data, scale.astype(scale_dtype))
 
 
-def nearest_pow2_split(scalar: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def nearest_pow2_split(scalar: np.ndarray, scale_dtype: Any = np.float32) -> tuple[np.ndarray, np.ndarray]:
     """``(scale, mantissa)``, scale the power of two nearest to ``|scalar|`` (in log2).
 
     The mantissa lies in ``[sqrt(1/2), sqrt(2))``, so a constant near 1 (a decay rate of
     0.999, say) keeps the scale of what it multiplies instead of halving it every time.
+
+    The scale stays a finite normal number of ``scale_dtype``: beyond its range the excess
+    power of two moves into the mantissa (exact). Float32 max, whose nearest power of two
+    ``2**128`` is inf in float32, gets the scale ``2**127`` and a mantissa just below 2.
     """
     scale, mantissa = pow2_decompose(scalar)
     if abs(mantissa) > np.sqrt(2):
         scale, mantissa = scale * 2, mantissa / 2
-    return scale, mantissa
+    info = np.finfo(scale_dtype)
+    largest, smallest = np.float64(2.0 ** (info.maxexp - 1)), np.float64(info.tiny)
+    if scale > largest:
+        scale, mantissa = largest, mantissa * (scale / largest)
+    elif 0 < scale < smallest:
+        scale, mantissa = smallest, mantissa * (scale / smallest)
+    return np.asarray(scale), np.asarray(mantissa)
 
 
 def split_traced_scalar(value: Any, scale_dtype) -> ScaledArray:

@@ -17,7 +17,7 @@ from jax import lax
 from ..core.array import ScaledArray
 from ..core.config import get_scalify_config
 from ..core.known_pow2 import all_known_pow2, is_known_pow2, mark_pow2
-from ..core.pow2 import pow2_round
+from ..core.pow2 import pow2_round, pow2_round_up
 from ..core.promotion import AnyScaleArray, is_any_scale
 
 Array = Any
@@ -110,6 +110,92 @@ def scale_div(a: Array, b: Array) -> Array:
     return mark_pow2(out) if all_known_pow2(a, b) else out
 
 
+def scale_bounds() -> tuple[np.ndarray, np.ndarray]:
+    """``(smallest, largest)`` power of two that is a normal number of the scale dtype.
+
+    Output scales of products and quotients are kept in this range (``2**-126 .. 2**127`` in
+    float32): a subnormal scale is flushed to zero by XLA on CPU and ``2**128`` is inf.
+    """
+    info = np.finfo(scale_dtype())
+    return np.asarray(info.tiny, scale_dtype()), np.asarray(2.0 ** (info.maxexp - 1), scale_dtype())
+
+
+def scaled_product(data: Array, a: Array, b: Array, *, divide: bool = False) -> ScaledArray:
+    """``ScaledArray(data, a * b)`` (``a / b`` with ``divide``), the scale kept a normal number.
+
+    Scale rule: the exact product (quotient) ``p`` of the scales when it lies within
+    :func:`scale_bounds`; otherwise the nearest bound ``c``, and the excess ``p / c`` (a power
+    of two for power-of-two scales) moves into the data, exactly, so ``data * scale`` is
+    unchanged. Without it the scale silently became inf (``2**120 * 2**20``) or 0, and the
+    value inf or nan. Trace-time (NumPy) scales are always guarded, at no run-time cost.
+    Traced scales are guarded only with ``ScalifyConfig(guard_traced_scales=True)``: five
+    scalar operations and one multiply of the data by ``p / c`` (1 unless the scale left the
+    range), which made the benchmark steps compile 40-85% slower. A zero or non-finite ``p``
+    gives the same values as before (``p / c`` is 0, inf or nan).
+
+    ``(a / c) * b`` is exact for normal powers of two: past the top bound ``a >= 2`` (else
+    ``a * b <= 2**127``), so ``a / c >= 2**-126``; below the bottom one ``a < 1``, so
+    ``a / c < 2**126``; the quotient likewise.
+    """
+    lo, hi = scale_bounds()
+    a, b = as_scale(a), as_scale(b)
+    if is_numpy(a) and is_numpy(b):
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            exact = np.asarray(a, np.float64) / b if divide else np.asarray(a, np.float64) * b
+        return _bounded_numpy(data, exact, lambda: scale_div(a, b) if divide else scale_mul(a, b))
+    p = scale_div(a, b) if divide else scale_mul(a, b)
+    if np.ndim(p) != 0 or not get_scalify_config().guard_traced_scales:
+        return ScaledArray(data, p)
+    bounded = as_scale(lax.clamp(lo, p, hi))
+    excess = (a / bounded) / b if divide else (a / bounded) * b
+    excess = lax.select(p == bounded, lax.full_like(excess, 1), excess)
+    if is_known_pow2(p):
+        mark_pow2(bounded)
+    return ScaledArray(mul_data(data, excess), bounded)
+
+
+def _bounded_numpy(data: Array, exact: np.ndarray, unbounded) -> ScaledArray:
+    """A trace-time scale ``exact`` (float64) clamped to :func:`scale_bounds`, the excess in the data.
+
+    ``unbounded()`` gives the scale when no clamping is needed (or possible: zero, non-finite
+    or non-scalar scales keep today's value).
+    """
+    lo, hi = scale_bounds()
+    if np.ndim(exact) != 0 or not np.isfinite(exact) or exact == 0 or lo <= exact <= hi:
+        return ScaledArray(data, unbounded())
+    bounded = np.clip(exact, lo, hi)
+    with np.errstate(over="ignore", under="ignore"):
+        excess = np.asarray(exact / bounded, np.float32)  # beyond float32: the value is 0 or inf anyway
+    return ScaledArray(mul_data(data, excess), as_scale(bounded))
+
+
+def scaled_power(data: Array, scale: Array, y: int) -> ScaledArray:
+    """``ScaledArray(data, scale ** y)`` for a static integer ``y``, the scale kept a normal number.
+
+    Scale rule: ``s ** y`` exactly (a power of two for a power-of-two ``s``). A trace-time
+    scale is clamped to :func:`scale_bounds` with the excess moved into the data. A traced one
+    is ``integer_pow`` of the scale, unless ``ScalifyConfig(guard_traced_scales=True)``: then
+    a chain of :func:`scaled_product` for ``|y| <= 4`` (``x ** 2``, ``x ** 3`` in GELU,
+    ``x ** -2``); higher powers of a traced scale stay unguarded.
+    """
+    scale = as_scale(scale)
+    if is_numpy(scale):
+        with np.errstate(over="ignore", divide="ignore", under="ignore"):
+            exact = np.power(np.asarray(scale, np.float64), y)
+        return _bounded_numpy(data, exact, lambda: as_scale(exact))
+    known = is_known_pow2(scale)
+    if y == 0 or abs(y) > 4 or not get_scalify_config().guard_traced_scales:
+        out = as_scale(lax.integer_pow(scale, y))
+        return ScaledArray(data, mark_pow2(out) if known else out)
+    base = scale if y > 0 else as_scale(1 / scale)
+    if known:
+        mark_pow2(base)
+    out = ScaledArray(data, base)
+    for _ in range(abs(y) - 1):
+        out = scaled_product(out.data, out.scale, base)
+    return out
+
+
 def round_scale(s: Array) -> Array:
     """Round a computed scale to a power of two with the configured rounding mode."""
     return as_scale(pow2_round(as_scale(s)))
@@ -184,18 +270,49 @@ def zero_to_one(scale: Array) -> Array:
     return mark_pow2(out) if is_known_pow2(scale) else out
 
 
+def _is_trace_time_constant(x: ScaledArray) -> bool:
+    return not is_any_scale(x) and is_numpy(x.data) and is_numpy(x.scale)
+
+
+def _fitting_scale(x: ScaledArray) -> np.ndarray:
+    """For a trace-time constant: the smallest power of two at which its data fits its dtype
+    with headroom (a factor 2 for 16- and 8-bit data, half the exponent range, ``2**64``, for
+    float32), at least the smallest normal scale, at most the constant's own scale.
+
+    A constant aligned with traced operands (a mask value ``-1e9`` in ``where(mask, x, -1e9)``,
+    float32 max in ``nan_to_num``) then raises the common scale only as far as its data dtype
+    needs: with float16 data ``-1e9`` fits at ``2**15``, where its own scale ``2**30`` would
+    flush ``x``'s data to zero; float32 max fits at ``2**64`` rather than ``2**127``, which
+    would leave ``x``'s float32 data subnormal.
+    """
+    own = as_scale(x.scale)
+    info = jnp.finfo(x.dtype)
+    headroom = 2.0 ** (int(info.maxexp) // 2) if info.bits >= 32 else 2.0
+    data = np.asarray(x.data)
+    if data.size and not any(data.strides):  # a broadcast scalar: one value to look at
+        data = data.reshape(-1)[:1]
+    with np.errstate(over="ignore", invalid="ignore"):
+        magnitude = np.max(np.abs(data.astype(np.float64)) * np.asarray(own, np.float64), initial=0.0)
+    if not np.isfinite(magnitude) or np.ndim(own) != 0:
+        return own
+    need = pow2_round_up(np.asarray(headroom * magnitude / float(info.max), scale_dtype()))
+    return as_scale(np.minimum(own, np.maximum(need, scale_bounds()[0])))
+
+
 def largest_scale(operands: Sequence[ScaledArray]) -> Array:
     """The largest scale among the operands that have one (any-scale operands skipped).
 
     Operands sharing one scale object count once (no ``max(s, s)`` equation); the result is
     marked a power of two when every scale is one. If the largest of several scales is 0
     (every operand asserted zero) the result is 1, so rescaling to it gives 0 rather than
-    ``0 / 0``.
+    ``0 / 0``. Next to other operands, a trace-time constant counts with the smallest
+    power-of-two scale at which it fits its data dtype (see :func:`_fitting_scale`).
     """
+    fit_constants = not all(_is_trace_time_constant(x) for x in operands if not is_any_scale(x))
     scales = []
-    for x in operands:
+    for x in sorted(operands, key=lambda x: not _is_trace_time_constant(x)):  # NumPy scales fold first
         if not is_any_scale(x):
-            s = as_scale(x.scale)
+            s = _fitting_scale(x) if fit_constants and _is_trace_time_constant(x) else as_scale(x.scale)
             if not any(s is t for t in scales):
                 scales.append(s)
     if not scales:
@@ -233,6 +350,9 @@ __all__ = [
     "mul_data",
     "rescale",
     "round_scale",
+    "scale_bounds",
+    "scaled_power",
+    "scaled_product",
     "scale_div",
     "scale_dtype",
     "scale_max",

@@ -39,10 +39,9 @@ from .base_scaling import (
     mul_data,
     rescale,
     round_scale,
-    scale_div,
     scale_max,
     scale_min,
-    scale_mul,
+    scaled_product,
     select,
     zero_to_one,
     to_float32_value,
@@ -177,18 +176,18 @@ def scaled_add_any(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
 # --- products --------------------------------------------------------------------------------
 @register_scaled_lax_op
 def scaled_mul(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
-    """Scale sa * sb, data da * db.
+    """Scale sa * sb, data da * db (a scale past the float32 range moves its excess into the data).
 
     A broadcast scalar constant was promoted to a mantissa in [1, 2) and a power-of-two
     scale, so its exponent folds into the output scale.
     """
-    return ScaledArray(_bind(P.mul_p, a, b, **params), scale_mul(a.scale, b.scale))
+    return scaled_product(_bind(P.mul_p, a, b, **params), a.scale, b.scale)
 
 
 @register_scaled_lax_op
 def scaled_div(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
-    """Scale sa / sb, data da / db."""
-    return ScaledArray(_bind(P.div_p, a, b, **params), scale_div(a.scale, b.scale))
+    """Scale sa / sb, data da / db (a scale past the float32 range moves its excess into the data)."""
+    return scaled_product(_bind(P.div_p, a, b, **params), a.scale, b.scale, divide=True)
 
 
 # --- value-based binary maps -----------------------------------------------------------------
@@ -322,8 +321,17 @@ def scaled_copy(x: ScaledArray, **params) -> ScaledArray:
 
 
 def _convert_scalar(scalar: np.ndarray, *, new_dtype: Any, **params) -> np.ndarray:
+    """The converted constant; a float narrowed to a smaller float keeps its exact value.
+
+    The scalar tracks the value a constant stands for where it meets scaled data, where
+    promotion splits it into a power-of-two scale and a mantissa: ``1e-8`` cast to float16
+    (0 there) or ``-1e9`` (-inf) keep their value. The bound equation still converts.
+    """
+    scalar = np.asarray(scalar)
+    if is_floating_dtype(scalar.dtype) and is_floating_dtype(new_dtype) and np.dtype(new_dtype).itemsize < scalar.dtype.itemsize:
+        return scalar
     with np.errstate(invalid="ignore", over="ignore"):  # nan/inf to int: as undefined as in XLA
-        return np.asarray(scalar).astype(new_dtype)
+        return scalar.astype(new_dtype)
 
 
 def _reduce_precision_scalar(scalar: np.ndarray, *, exponent_bits: int, mantissa_bits: int) -> np.ndarray:

@@ -25,6 +25,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr
 
 from ..core.array import ScaledArray
+from ..core.config import ScalifyConfig, get_scalify_config
 from ..core.interpreter import concrete_scalar, eval_scaled_jaxpr, unpromoted_inputs
 from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..core.promotion import AnyScaleArray
@@ -44,9 +45,10 @@ def _eval_closed(closed: ClosedJaxpr, args) -> list:
 class _CallSignature(NamedTuple):
     """What a jitted body is specialised on, besides the sub-jaxpr and the argument types.
 
-    - ``constants``: ``(position, dtype, value)`` of the arguments known at trace time; they
-      are baked into the body instead of passed, so the sub-jaxpr still sees them as constants
-      (a literal ``0.0`` passed to ``jnp.where``'s jitted body stays any-scale);
+    - ``constants``: ``(position, dtype, value, exact dtype, exact value)`` of the arguments
+      known at trace time; they are baked into the body instead of passed, so the sub-jaxpr
+      still sees them as constants (a literal ``0.0`` passed to ``jnp.where``'s jitted body
+      stays any-scale) with their exact value (see :mod:`jax_scalify.core.constants`);
     - ``const_scales``: ``(position, dtype, shape, values)`` of the ``ScaledArray`` arguments
       whose scale is a trace-time constant: only their data is passed, the scale is baked in,
       so scale arithmetic on it still folds in Python inside the body;
@@ -60,13 +62,14 @@ class _CallSignature(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def _jitted_body(jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, signature: _CallSignature):
-    """One ``jax.jit`` per sub-jaxpr and :class:`_CallSignature` (JAX caches compilations).
+def _jitted_body(jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, signature: _CallSignature, config: ScalifyConfig):
+    """One ``jax.jit`` per sub-jaxpr, :class:`_CallSignature` and configuration (JAX caches compilations).
 
     The returned function has an ``out_pow2`` dict: for each type signature of the dynamic
     arguments it was traced for, per output, whether its scale is known to be a power of two.
     """
-    values = {i: np.asarray(v, dtype) for i, dtype, v in signature.constants}
+    values = {i: np.asarray(v, dtype) for i, dtype, v, _, _ in signature.constants}
+    exact = {i: np.asarray(v, dtype) for i, _, _, dtype, v in signature.constants}
     scales = {i: np.asarray(v, dtype).reshape(shape) for i, dtype, shape, v in signature.const_scales}
     pow2 = set(signature.pow2_scales)
     n_args = len(jaxpr.jaxpr.invars)
@@ -84,7 +87,7 @@ def _jitted_body(jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool,
                 if i in pow2:
                     mark_pow2(arg.scale)
                 args.append(arg)
-        scalars = [values.get(i) for i in range(n_args)]
+        scalars = [exact.get(i) for i in range(n_args)]
         outs = eval_scaled_jaxpr(jaxpr.jaxpr, jaxpr.consts, args, scalars)
         jitted.out_pow2[_types(dynamic_args)] = [isinstance(o, ScaledArray) and is_known_pow2(o.scale) for o in outs]
         return outs
@@ -127,7 +130,8 @@ def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: 
     for i, arg in enumerate(args):
         value = _constant_value(arg)
         if value is not None:
-            constants.append((i, value.dtype.str, value.item()))
+            bound = np.asarray(arg.to_array() if isinstance(arg, ScaledArray) else arg).reshape(())
+            constants.append((i, bound.dtype, bound.item(), value.dtype, value.item()))
         elif _is_const_scale(arg):
             scale = np.asarray(arg.scale)
             const_scales.append((i, scale.dtype.str, scale.shape, tuple(scale.ravel().tolist())))
@@ -137,7 +141,7 @@ def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: 
                 pow2_scales.append(i)
             dynamic.append(arg)
     signature = _CallSignature(tuple(constants), tuple(const_scales), tuple(pow2_scales))
-    body = _jitted_body(jaxpr, name, inline, keep_unused, signature)
+    body = _jitted_body(jaxpr, name, inline, keep_unused, signature, get_scalify_config())
     outs = body(*dynamic)
     for out, known in zip(outs, body.out_pow2.get(_types(tuple(dynamic)), ())):
         if known:

@@ -28,7 +28,7 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.registry import register_scaled_lax_op
-from .base_scaling import as_scale, mul_data, scale_mul, sqrt_size_pow2
+from .base_scaling import as_scale, mul_data, scale_mul, scaled_product, sqrt_size_pow2
 from .rules_reduce import _narrow_range
 
 Array = Any
@@ -79,7 +79,7 @@ def _unit_scaled_contraction(lhs: Any, rhs: Any, fan_in: int, contract: Callable
     out = contract(lhs_data, rhs_data)
     if target == _OUT:
         out = mul_data(out, inv_r)
-    return ScaledArray(out, scale_mul(lhs_scale, rhs_scale, r))
+    return scaled_product(out, scale_mul(lhs_scale, r), rhs_scale)
 
 
 @register_scaled_lax_op

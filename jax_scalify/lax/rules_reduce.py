@@ -38,7 +38,8 @@ from .base_scaling import (
     align_to_largest,
     as_scale,
     mul_data,
-    scale_mul,
+    scaled_power,
+    scaled_product,
     sqrt_size_pow2,
     to_float32_value,
 )
@@ -69,7 +70,7 @@ def _unit_scaled_sum(scale: Array, num_terms: int, reduce: Callable[..., Array],
         out = reduce(*[mul_data(d, inv_r) for d in datas])
     else:
         out = mul_data(reduce(*datas), inv_r)
-    return ScaledArray(out, scale_mul(scale, r))
+    return scaled_product(out, scale, r)
 
 
 def _keep_scale(prim: Primitive, x: ScaledArray, **params) -> ScaledArray:
@@ -126,14 +127,6 @@ def scaled_argmin(x: ScaledArray, **params) -> Array:
     return P.argmin_p.bind(x.data, **params)
 
 
-def _int_pow_scale(scale: Array, exponent: int) -> Array:
-    """``scale ** exponent`` for a static integer exponent: exact for a power-of-two scale."""
-    scale = as_scale(scale)
-    if isinstance(scale, np.ndarray):
-        return as_scale(np.power(scale.astype(np.float64), exponent))
-    return jax.lax.integer_pow(scale, exponent)
-
-
 @register_scaled_lax_op
 def scaled_reduce_prod(x: ScaledArray, *, axes: Sequence[int], **params) -> ScaledArray:
     """s = sa ** K exactly (K = number of factors, static), data = prod(data) in float32.
@@ -145,7 +138,7 @@ def scaled_reduce_prod(x: ScaledArray, *, axes: Sequence[int], **params) -> Scal
     """
     work = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
     data = P.reduce_prod_p.bind(x.data.astype(work), axes=axes, **params).astype(x.dtype)
-    return ScaledArray(data, _int_pow_scale(x.scale, _size(x.shape, axes)))
+    return scaled_power(data, x.scale, _size(x.shape, axes))
 
 
 # --- cumulative ops --------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.pow2 import pow2_exponent, pow2_round_down
 from ..core.registry import register_scalar_preserving, register_scaled_lax_op, register_scaled_op
 from ..core.known_pow2 import is_known_pow2, mark_pow2
-from .base_scaling import as_scale, mul_data, scale_mul, select, to_float32_value
+from .base_scaling import as_scale, mul_data, scaled_power, scaled_product, select, to_float32_value
 from .rules_arithmetic import _is_numpy, _npapi, _value_output, _widen  # shared private helpers
 
 Array = Any
@@ -175,17 +175,14 @@ scaled_round = _on_value_rule(P.round_p, _scale_floored_at_one, _ROUNDING_DOC)
 # --- powers and roots ------------------------------------------------------------------------
 @register_scaled_lax_op
 def scaled_integer_pow(x: ScaledArray, *, y: int, **params) -> ScaledArray:
-    """Scale s**y (exact for a power of two), data da**y."""
-    scale = as_scale(x.scale)
-    out_scale = np.power(np.float64(scale), y) if _is_numpy(scale) else jax.lax.integer_pow(scale, y)
-    out_scale = as_scale(out_scale)
-    return ScaledArray(P.integer_pow_p.bind(x.data, y=y, **params), mark_pow2(out_scale) if is_known_pow2(scale) else out_scale)
+    """Scale s**y (exact for a power of two; past the float32 range the excess goes into the data), data da**y."""
+    return scaled_power(P.integer_pow_p.bind(x.data, y=y, **params), x.scale, y)
 
 
 @register_scaled_lax_op
 def scaled_square(x: ScaledArray, **params) -> ScaledArray:
     """Scale s**2 (exact for a power of two), data da**2."""
-    return ScaledArray(P.square_p.bind(x.data, **params), scale_mul(x.scale, x.scale))
+    return scaled_product(P.square_p.bind(x.data, **params), x.scale, x.scale)
 
 
 @register_scaled_lax_op

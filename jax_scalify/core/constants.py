@@ -1,0 +1,351 @@
+"""Exact values of the constants of a trace on narrow (16- or 8-bit) float data.
+
+``scalify`` traces the user function on the *data* of its inputs. With float16 data JAX casts
+a Python constant to float16 while tracing, so ``x * 1e-8`` holds the literal ``0`` and
+``x * 1e5`` the literal ``inf`` before any scale rule sees them (and Adam's ``eps=1e-8`` turns
+``m / (sqrt(v) + eps)`` into ``0 / 0``).
+
+This module recovers the intended values. When the data trace holds narrow floating
+constants (and only then), the function is traced a second time with every narrow floating
+input widened to float32. The two traces run the same Python code, so their equations pair
+up one to one (the widened trace may hold extra ``convert_element_type`` equations, e.g. for
+``x.astype(jnp.float16)``, and the narrow one extra converts to float32). A narrow literal (or
+size-1 constant) is given the value of its float32 counterpart when that value rounds to it:
+``0:f16`` paired with ``1e-8:f32`` is ``1e-8``, ``65504:f16`` paired with float32 max is left
+alone (float32 max does not round to 65504: the code chose a dtype-dependent value).
+
+The exact values are used only where a constant meets a scaled operand: the interpreter's
+constant-scalar tracking reports them, so promotion splits the exact value into a
+power-of-two scale and a mantissa. Plain equations still bind the literal as traced, so they
+compute exactly what JAX computes.
+
+If the traces do not pair up (code whose structure depends on the dtype), the constants
+that the narrow trace lost (a finite non-zero float32 value that became 0 or ±inf) are
+detected by comparing the literals of both traces; the narrow literals that may stand for
+one of them raise an error naming the source line if they meet scaled data.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import source_info_util
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, jaxprs_in_params
+from jax.extend.core import primitives as _primitives
+
+_CONVERT = _primitives.convert_element_type_p
+_NARROW_BITS = 16
+
+
+def is_narrow_float(dtype: Any) -> bool:
+    """A floating dtype of 16 bits or fewer (float16, bfloat16, the float8 types)."""
+    return _is_float(dtype) and np.dtype(dtype).itemsize * 8 <= _NARROW_BITS
+
+
+def _is_float(dtype: Any) -> bool:
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.floating))
+    except TypeError:  # extended dtypes (PRNG keys)
+        return False
+
+
+@dataclasses.dataclass
+class ExactConstants:
+    """The recovered constants of one trace, keyed by the identity of the traced value object.
+
+    ``exact``: ``id(value) -> (value, exact 0-d value)`` for literal values and constants of
+    the narrow trace; ``lost``: ``id(value) -> (value, message)`` for narrow literals that
+    may stand for a constant that over- or underflowed and could not be recovered.
+    """
+
+    exact: dict[int, tuple[Any, np.ndarray]] = dataclasses.field(default_factory=dict)
+    lost: dict[int, tuple[Any, str]] = dataclasses.field(default_factory=dict)
+    _conflicts: set[int] = dataclasses.field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.exact or self.lost)
+
+    def offer(self, narrow_value: Any, wide_value: Any) -> None:
+        """Record ``wide_value`` as the exact value of ``narrow_value`` if it rounds to it.
+
+        Otherwise the narrow value stands for itself; it is recorded too, so that a value
+        object shared by several literals with different exact values is detected.
+        """
+        narrow = _as_narrow_scalar(narrow_value)
+        if narrow is None:
+            return
+        exact = _exact_counterpart(narrow, wide_value)
+        exact = narrow if exact is None else exact
+        key = id(narrow_value)
+        if key in self._conflicts:
+            return
+        known = self.exact.get(key)
+        if known is not None and not (known[1].dtype == exact.dtype and _same(known[1], exact)):
+            # One value object shared by literals with different exact values: keep the traced one.
+            del self.exact[key]
+            self._conflicts.add(key)
+            return
+        self.exact[key] = (narrow_value, exact)
+
+
+def _as_scalar(value: Any) -> np.ndarray | None:
+    """The value as a 0-d NumPy float array if it is a trace-time floating number, else None."""
+    if not hasattr(value, "dtype") or getattr(value, "size", None) != 1 or not _is_float(np.dtype(value.dtype)):
+        return None
+    try:
+        return np.asarray(value).reshape(())
+    except Exception:  # a tracer: not a trace-time number
+        return None
+
+
+def _exact_counterpart(narrow: np.ndarray, wide_value: Any) -> np.ndarray | None:
+    """The wide value if it is wider than the narrow one, rounds to it, and differs from it."""
+    wide = _as_scalar(wide_value)
+    if wide is None:
+        return None
+    if wide.dtype.itemsize <= narrow.dtype.itemsize or np.isnan(wide):
+        return None
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        rounded = wide.astype(narrow.dtype)
+        rounds_to_narrow = rounded == narrow or (np.isnan(rounded) and np.isnan(narrow))
+        same = np.float64(wide) == np.float64(narrow)
+    return wide.copy() if rounds_to_narrow and not same else None
+
+
+# --- when the second trace is needed -----------------------------------------------------------
+def has_narrow_constants(closed: ClosedJaxpr) -> bool:
+    """True if the trace (sub-jaxprs included) holds a narrow floating literal or size-1 constant
+    that may be a lost constant (0, subnormal, ±inf or nan: see :func:`_is_suspect`)."""
+    if any(_suspect(c) for c in closed.consts):
+        return True
+    return _jaxpr_has_narrow_constants(closed.jaxpr, set())
+
+
+def _as_narrow_scalar(value: Any) -> np.ndarray | None:
+    scalar = _as_scalar(value)
+    return scalar if scalar is not None and is_narrow_float(scalar.dtype) else None
+
+
+def _is_suspect(narrow: np.ndarray) -> bool:
+    """A narrow value that a finite non-zero constant may have become: 0, subnormal, ±inf or nan.
+
+    (A float8 type without infinities turns an overflow into nan.) Other narrow values are
+    within one rounding of the constant, a rounding that promotion repeats anyway when it
+    stores the constant's mantissa in the data dtype.
+    """
+    with np.errstate(invalid="ignore"):
+        magnitude = np.abs(np.float64(narrow))
+        return bool(not np.isfinite(magnitude) or magnitude < float(jnp.finfo(narrow.dtype).tiny))
+
+
+def _suspect(value: Any) -> bool:
+    narrow = _as_narrow_scalar(value)
+    return narrow is not None and _is_suspect(narrow)
+
+
+def _jaxpr_has_narrow_constants(jaxpr: Jaxpr, seen: set[int]) -> bool:
+    if id(jaxpr) in seen:
+        return False
+    seen.add(id(jaxpr))
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, Literal) and _suspect(v.val):
+                return True
+        for sub in jaxprs_in_params(eqn.params):
+            consts = sub.consts if isinstance(sub, ClosedJaxpr) else ()
+            if any(_suspect(c) for c in consts):
+                return True
+            if _jaxpr_has_narrow_constants(_open(sub), seen):
+                return True
+    return False
+
+
+def _open(jaxpr: Jaxpr | ClosedJaxpr) -> Jaxpr:
+    return jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+
+
+def widened_example(x: Any) -> Any:
+    """``x`` as a float32 shape-and-dtype stand-in if it is a narrow floating array, else ``x``."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not is_narrow_float(dtype) or isinstance(x, (int, float, bool)):
+        return x
+    return jax.ShapeDtypeStruct(np.shape(x), np.float32)
+
+
+def recover(narrow: ClosedJaxpr, trace_widened: Callable[[], ClosedJaxpr]) -> ExactConstants:
+    """The exact values of ``narrow``'s narrow constants, from a second trace on float32 inputs.
+
+    ``trace_widened()`` traces the same function with the narrow floating inputs widened. If
+    it fails (code that only runs on narrow inputs), nothing is recovered: the trace is used
+    as it is.
+    """
+    found = ExactConstants()
+    try:
+        wide = trace_widened()
+    except Exception:  # the function does not trace on float32 inputs: keep today's behaviour
+        return found
+    _pair_jaxprs(narrow.jaxpr, narrow.consts, wide.jaxpr, wide.consts, found)
+    return found
+
+
+# --- pairing the two traces --------------------------------------------------------------------
+def _pair_jaxprs(narrow: Jaxpr, narrow_consts: Sequence[Any], wide: Jaxpr, wide_consts: Sequence[Any], found: ExactConstants) -> None:
+    pairs = _pair_equations(narrow.eqns, wide.eqns)
+    if pairs is None:
+        _mark_lost(narrow, wide, found)
+        return
+    narrow_const = dict(zip(narrow.constvars, narrow_consts))
+    wide_const = dict(zip(wide.constvars, wide_consts))
+    for en, ew in pairs:
+        for vn, vw in zip(en.invars, ew.invars):
+            narrow_value = vn.val if isinstance(vn, Literal) else narrow_const.get(vn)
+            wide_value = vw.val if isinstance(vw, Literal) else wide_const.get(vw)
+            if narrow_value is not None and wide_value is not None:
+                found.offer(narrow_value, wide_value)
+        subs_n, subs_w = list(jaxprs_in_params(en.params)), list(jaxprs_in_params(ew.params))
+        if len(subs_n) != len(subs_w):
+            continue
+        for sn, sw in zip(subs_n, subs_w):
+            cn = sn.consts if isinstance(sn, ClosedJaxpr) else ()
+            cw = sw.consts if isinstance(sw, ClosedJaxpr) else ()
+            _pair_jaxprs(_open(sn), cn, _open(sw), cw, found)
+
+
+def _pair_equations(narrow: Sequence[JaxprEqn], wide: Sequence[JaxprEqn]) -> list | None:
+    """Equations of both traces in pairs (same primitive, same arity), extra converts skipped.
+
+    None if the two sequences do not pair up.
+    """
+    pairs = []
+    i = j = 0
+    while i < len(narrow) and j < len(wide):
+        en, ew = narrow[i], wide[j]
+        if en.primitive is ew.primitive and len(en.invars) == len(ew.invars):
+            pairs.append((en, ew))
+            i, j = i + 1, j + 1
+        elif ew.primitive is _CONVERT:
+            j += 1
+        elif en.primitive is _CONVERT:
+            i += 1
+        else:
+            return None
+    rest = list(narrow[i:]) + list(wide[j:])
+    return pairs if all(e.primitive is _CONVERT for e in rest) else None
+
+
+def _literals(jaxpr: Jaxpr, seen: set[int] | None = None) -> Iterator[tuple[Any, JaxprEqn]]:
+    """Every literal value (sub-jaxprs included) with the equation that uses it."""
+    seen = set() if seen is None else seen
+    if id(jaxpr) in seen:
+        return
+    seen.add(id(jaxpr))
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, Literal):
+                yield v.val, eqn
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _literals(_open(sub), seen)
+
+
+def _mark_lost(narrow: Jaxpr, wide: Jaxpr, found: ExactConstants) -> None:
+    """Traces that do not pair up: flag the narrow 0/±inf literals that may be lost constants.
+
+    A constant is lost when the widened trace holds a finite non-zero literal that rounds to
+    0 or ±inf in a narrow dtype of the data trace, and the data trace holds more literals of
+    that rounded value than the widened trace does (the extra ones are the lost constants,
+    but which ones cannot be told apart).
+    """
+    narrow_lits = [(_as_narrow_scalar(val), val, eqn) for val, eqn in _literals(narrow)]
+    narrow_lits = [(s, val, eqn) for s, val, eqn in narrow_lits if s is not None]
+    wide_lits = [s for s in (_as_scalar(val) for val, _ in _literals(wide)) if s is not None]
+    for dtype in {s.dtype for s, _, _ in narrow_lits}:
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+            lost = [w for w in wide_lits if np.isfinite(w) and w != 0 and _is_suspect(w.astype(dtype))]
+        for w in lost:
+            rounded = w.astype(dtype)
+            n_narrow = [(val, eqn) for s, val, eqn in narrow_lits if s.dtype == dtype and _same(s, rounded)]
+            n_wide = sum(1 for v in wide_lits if _same(v, np.float64(rounded)))
+            if len(n_narrow) <= n_wide:
+                continue
+            for val, eqn in n_narrow:
+                where = source_info_util.summarize(eqn.source_info)
+                found.lost[id(val)] = (val, _lost_message(w, rounded, dtype, where))
+
+
+def _same(a: np.ndarray, b: Any) -> bool:
+    a, b = np.float64(a), np.float64(b)
+    return bool(a == b or (np.isnan(a) and np.isnan(b)))
+
+
+def _lost_message(wide: np.ndarray, rounded: np.ndarray, dtype: np.dtype, where: str) -> str:
+    return (
+        f"scalify: the constant {float(wide):.7g} became {float(rounded)!r} when traced on {dtype} data "
+        f"and meets a scaled value here:\n  from:   {where}\n"
+        "Its exact value could not be recovered (the function does not trace the same way on float32 "
+        "inputs). Write the constant so that it does not depend on the data dtype, e.g. compute it "
+        "in float32 (jnp.float32(1e-8)) or scale it into the data dtype's range."
+    )
+
+
+# --- the interpreter's view ---------------------------------------------------------------------
+class _State(threading.local):
+    def __init__(self):
+        self.active: list[ExactConstants] = []
+
+
+_state = _State()
+
+
+@contextlib.contextmanager
+def exact_constants(found: ExactConstants | None) -> Iterator[None]:
+    """Scope in which :func:`exact_value` reports the recovered constants of ``found``."""
+    if not found:
+        yield
+        return
+    _state.active.append(found)
+    try:
+        yield
+    finally:
+        _state.active.remove(found)
+
+
+def exact_value(value: Any) -> np.ndarray | None:
+    """The recovered exact value of a traced constant (a literal's value object), or None."""
+    if not _state.active:
+        return None
+    key = id(value)
+    for found in _state.active:
+        entry = found.exact.get(key)
+        if entry is not None and entry[0] is value:
+            return entry[1]
+    return None
+
+
+def check_not_lost(eqn: JaxprEqn) -> None:
+    """Raise if a literal of ``eqn`` (which has scaled operands) may be a lost constant."""
+    if not _state.active:
+        return
+    for v in eqn.invars:
+        if not isinstance(v, Literal):
+            continue
+        for found in _state.active:
+            entry = found.lost.get(id(v.val))
+            if entry is not None and entry[0] is v.val:
+                raise ValueError(entry[1])
+
+
+__all__ = [
+    "ExactConstants",
+    "check_not_lost",
+    "exact_constants",
+    "exact_value",
+    "has_narrow_constants",
+    "is_narrow_float",
+    "recover",
+    "widened_example",
+]

@@ -1,0 +1,235 @@
+"""Constants keep their exact value on narrow-float scaled data (jax_scalify.core.constants).
+
+Traced on float16 data, ``x * 1e-8`` holds the literal 0 and ``x * 1e5`` the literal inf;
+scalify recovers the values from a second trace on float32 inputs, so promotion splits the
+exact constant into a power-of-two scale and a mantissa.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_scalify as jsa
+from jax_scalify.core import constants
+from tests.invariance import assert_pow2_scales, exact_value
+
+NARROW = [jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn]
+X = np.array([1.0, 2.0, 0.5, -0.75], np.float32)
+
+
+def _rtol(dtype) -> float:
+    """Two roundings in the data dtype (the data and the constant's mantissa)."""
+    return 3 * float(jnp.finfo(dtype).eps)
+
+
+def _scaled(values, dtype) -> jsa.ScaledArray:
+    return jsa.as_scaled_array(jnp.asarray(values, dtype))
+
+
+def _run(fn, *args, jit: bool):
+    scalified = jsa.scalify(fn)
+    return (jax.jit(scalified) if jit else scalified)(*args)
+
+
+def _check_finite_pow2_scale(out) -> None:
+    assert_pow2_scales(out)
+    assert np.all(np.isfinite(np.asarray(out.scale))), out.scale
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", NARROW, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("constant", [1e5, 1e-8, 1e-16])
+def test_product_with_a_constant_outside_the_data_range_keeps_its_value(constant, dtype, jit):
+    out = _run(lambda x: x * constant, _scaled(X, dtype), jit=jit)
+    _check_finite_pow2_scale(out)
+    x = np.asarray(jnp.asarray(X, dtype), np.float64)
+    np.testing.assert_allclose(exact_value(out), x * constant, rtol=_rtol(dtype))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", NARROW, ids=lambda d: np.dtype(d).name)
+def test_float32_max_constant(dtype, jit):
+    fmax = float(jnp.finfo(jnp.float32).max)
+    x = np.array([0.5, -0.25, 0.125], np.float32)
+    out = _run(lambda x: x * fmax, _scaled(x, dtype), jit=jit)
+    _check_finite_pow2_scale(out)
+    np.testing.assert_allclose(exact_value(out), x.astype(np.float64) * fmax, rtol=_rtol(dtype))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: np.dtype(d).name)
+def test_where_mask_constant_keeps_its_value_and_the_data(dtype, jit):
+    out = _run(lambda x: jnp.where(x > 0.7, x, -1e9), _scaled(X, dtype), jit=jit)
+    _check_finite_pow2_scale(out)
+    x = np.asarray(jnp.asarray(X, dtype), np.float64)
+    expected = np.where(x > 0.7, x, -1e9)
+    # The mask value fits the data dtype at the common scale; the kept values are not flushed.
+    np.testing.assert_allclose(exact_value(out), expected, rtol=_rtol(dtype))
+
+
+def test_where_mask_constant_in_float8_keeps_its_value():
+    """In float8 (max 448) the mask value needs the scale 2**22, below which x's data flushes:
+    one scale per tensor cannot hold both; the mask value itself stays exact and finite."""
+    out = jsa.scalify(lambda x: jnp.where(x > 0.7, x, -1e9))(_scaled(X, jnp.float8_e4m3fn))
+    _check_finite_pow2_scale(out)
+    masked = exact_value(out)[X <= 0.7]
+    np.testing.assert_allclose(masked, -1e9, rtol=_rtol(jnp.float8_e4m3fn))
+
+
+# Scale of the second moment v, so that eps = 1e-8 at the scale of sqrt(v) is within the data
+# dtype's range (float16 subnormals reach 2**-24, float8_e4m3fn's 2**-9 only).
+ADAM_V_SCALE = {jnp.float16: 2.0**-20, jnp.bfloat16: 2.0**-20, jnp.float8_e4m3fn: 2.0**-44}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", NARROW, ids=lambda d: np.dtype(d).name)
+def test_adam_style_denominator_is_not_zero(dtype, jit):
+    """m / (sqrt(v) + 1e-8) with m = v = 0 entries: 0, not 0 / 0 (eps was 0 in the data trace)."""
+    v_scale = ADAM_V_SCALE[dtype]
+    m_data = np.array([0.0, 0.25, -0.5, 0.0], np.float32)
+    v_data = np.array([0.0, 0.25, 1.0, 2.0], np.float32)
+    m = jsa.ScaledArray(jnp.asarray(m_data, dtype), jnp.float32(2.0**-10))
+    v = jsa.ScaledArray(jnp.asarray(v_data, dtype), jnp.float32(v_scale))
+    out = _run(lambda m, v: m / (jnp.sqrt(v) + 1e-8), m, v, jit=jit)
+    _check_finite_pow2_scale(out)
+    got = exact_value(out)
+    assert np.all(np.isfinite(got)), got
+    m64, v64 = exact_value(m), exact_value(v)
+    np.testing.assert_allclose(got, m64 / (np.sqrt(v64) + 1e-8), rtol=_rtol(dtype))
+
+
+def test_constant_broadcast_by_full_like_keeps_its_value():
+    out = jsa.scalify(lambda x: x * jnp.full_like(x, 1e-8))(_scaled(X, jnp.float16))
+    np.testing.assert_allclose(exact_value(out), np.asarray(X, np.float64) * 1e-8, rtol=_rtol(jnp.float16))
+
+
+def test_optax_adam_step_with_float16_state_is_not_nan():
+    """eps=1e-8 is 0 in a float16 trace: every zero gradient gave 0 / 0 at the first step."""
+    params = {"w": jnp.array([[0.5, -1.0], [2.0, 0.25]], jnp.float16)}
+    grads = {"w": jnp.array([[0.1, 0.0], [-0.2, 0.3]], jnp.float16)}
+    opt = optax.adam(1e-3)
+
+    def step(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    # Moments start as asserted zeros (scale 0), so they take the scale of the first update.
+    state = jax.tree.map(
+        lambda x: jsa.ScaledArray(x, jnp.float32(0)) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        opt.init(params),
+    )
+    sp, sg = jsa.as_scaled_array(params), jsa.as_scaled_array(grads)
+    p32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    g32 = jax.tree.map(lambda x: x.astype(jnp.float32), grads)
+    s32 = opt.init(p32)
+    step_scaled = jax.jit(jsa.scalify(step))
+    for _ in range(3):
+        sp, state = step_scaled(sp, state, sg)
+        p32, s32 = step(p32, s32, g32)
+    got = np.asarray(jsa.asarray(sp)["w"], np.float32)
+    assert np.all(np.isfinite(got)), got
+    # One float16 ulp (about 2e-3 at 2.0) per step.
+    np.testing.assert_allclose(got, np.asarray(p32["w"]), atol=4e-3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=lambda d: np.dtype(d).name)
+def test_nan_to_num_on_scaled_input(dtype):
+    x = jnp.array([1.0, jnp.nan, jnp.inf, -jnp.inf, 3.0], dtype)
+    out = jsa.scalify(jnp.nan_to_num)(jsa.as_scaled_array(x))
+    _check_finite_pow2_scale(out)
+    expected = np.asarray(jnp.nan_to_num(x), np.float64)
+    np.testing.assert_array_equal(exact_value(out), expected)
+
+
+def test_nan_to_num_float32_reported_example():
+    out = jsa.scalify(jnp.nan_to_num)(jsa.as_scaled_array(jnp.ones(3)))
+    np.testing.assert_array_equal(np.asarray(jsa.asarray(out)), np.ones(3, np.float32))
+    _check_finite_pow2_scale(out)
+
+
+def test_unscaled_equations_compute_what_jax_computes():
+    """The exact value only serves promotion: a plain float16 input still gets JAX's 0."""
+    x, y = _scaled(X, jnp.float16), jnp.asarray(X, jnp.float16)
+    got_x, got_y = jsa.scalify(lambda x, y: (x * 1e-8, y * 1e-8))(x, y)
+    assert not isinstance(got_y, jsa.ScaledArray)
+    np.testing.assert_array_equal(np.asarray(got_y), np.asarray(y * 1e-8))
+    assert np.all(exact_value(got_x) != 0)
+
+
+def test_dtype_dependent_constant_is_left_alone():
+    """finfo(x.dtype).max is 65504 on float16 data and float32 max on float32: not the same constant."""
+    fn = lambda x: x * jnp.finfo(x.dtype).max * 1e-8  # noqa: E731
+    out = jsa.scalify(fn)(_scaled(X / 4, jnp.float16))
+    x = np.asarray(jnp.asarray(X / 4, jnp.float16), np.float64)
+    np.testing.assert_allclose(exact_value(out), x * 65504.0 * 1e-8, rtol=_rtol(jnp.float16))
+
+
+def _trace_counter(fn):
+    calls = []
+
+    def counted(*args):
+        calls.append(None)
+        return fn(*args)
+
+    return counted, calls
+
+
+def test_float32_programs_are_traced_once():
+    fn, calls = _trace_counter(lambda x: x * 1e-8 + 0.0)
+    jsa.scalify(fn)(_scaled(X, jnp.float32))
+    assert len(calls) == 1
+
+
+def test_narrow_programs_without_suspect_constants_are_traced_once():
+    fn, calls = _trace_counter(lambda x: x * 2.0 + 0.5)
+    jsa.scalify(fn)(_scaled(X, jnp.float16))
+    assert len(calls) == 1
+
+
+def test_narrow_program_with_a_lost_constant_is_traced_twice_then_cached():
+    fn, calls = _trace_counter(lambda x: x * 1e-8)
+    scalified = jsa.scalify(fn)
+    scalified(_scaled(X, jnp.float16))
+    scalified(_scaled(X, jnp.float16))
+    assert len(calls) == 2
+
+
+def test_unpaired_traces_raise_for_a_lost_constant():
+    def fn(x):
+        y = x * 1e-8
+        if x.dtype == jnp.float32:  # the structure depends on the dtype: the traces do not pair
+            y = jnp.sin(y)
+        return y
+
+    with pytest.raises(ValueError, match=r"1e-08.*became 0\.0.*float16") as info:
+        jsa.scalify(fn)(_scaled(X, jnp.float16))
+    assert "test_constants.py" in str(info.value)
+
+
+def test_unpaired_traces_without_lost_constants_run():
+    def fn(x):
+        y = x * 2.0 + 0.0
+        if x.dtype == jnp.float32:
+            y = jnp.sin(y)
+        return y
+
+    out = jsa.scalify(fn)(_scaled(X, jnp.float16))
+    np.testing.assert_allclose(exact_value(out), 2.0 * X)
+
+
+def test_recover_pairs_extra_converts():
+    def fn(x):  # a convert on float16 data, none on float32 data
+        return x.astype(jnp.float32) * 2.0, x * 1e-8
+
+    narrow = jax.make_jaxpr(fn)(jnp.ones(3, jnp.float16))
+    found = constants.recover(narrow, lambda: jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((3,), jnp.float32)))
+    recovered = [float(exact) for value, exact in found.exact.values() if np.asarray(value).dtype == np.float16]
+    assert recovered == [pytest.approx(1e-8)]
+
+
+def test_widened_example():
+    assert constants.widened_example(jnp.ones(2, jnp.bfloat16)).dtype == jnp.float32
+    x = jnp.ones(2, jnp.int8)
+    assert constants.widened_example(x) is x
+    assert constants.is_narrow_float(jnp.float8_e5m2) and not constants.is_narrow_float(jnp.float32)
