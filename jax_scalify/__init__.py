@@ -4,6 +4,7 @@ from . import analysis
 from . import nn
 from .core import (
     Pow2RoundMode,
+    RescalePolicy,
     ScaledArray,
     ScalifyConfig,
     as_scaled_array,

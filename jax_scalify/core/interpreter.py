@@ -26,7 +26,9 @@ from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, jaxprs_in_params
 
 from . import known_pow2
+from . import policy as rescale_policy
 from .array import ScaledArray, is_floating_dtype, is_scaled_leaf
+from .policy import RescalePolicy
 from .promotion import AnyScaleArray, promote
 from .registry import ScaledPrimitiveType, find_registered_scaled_op, scalar_preserving_fn
 from .vma import match_varying_axes
@@ -78,7 +80,7 @@ def unpromoted_inputs(rule: Callable[..., Any]) -> Callable[..., Any]:
     return rule
 
 
-def scalify(fun: Callable[..., Any]) -> Callable[..., Any]:
+def scalify(fun: Callable[..., Any] | None = None, *, policy: RescalePolicy | None = None) -> Callable[..., Any]:
     """Transform ``fun`` to propagate power-of-two scales through every operation.
 
     The returned function takes the same arguments as ``fun``, where any floating array
@@ -88,10 +90,26 @@ def scalify(fun: Callable[..., Any]) -> Callable[..., Any]:
     unscaled until they meet a scaled value. In float32 the result equals ``fun`` on the
     values of the inputs up to round-off (model invariance).
 
+    Args:
+        fun: the function to transform. Without it, ``scalify(policy=...)`` returns a
+            decorator.
+        policy: where scales are re-estimated from the data at run time (a
+            :class:`~jax_scalify.RescalePolicy`). ``None`` is ``RescalePolicy()``: the
+            gradients the step computes, loop carries and the returned values are rescaled
+            to their root mean square, so programs written without scalify in mind keep
+            their data near unit size over many steps. ``RescalePolicy.static()`` is the
+            paper's pure static propagation (output scales are functions of input scales
+            only). Manual ``jsa.ops`` rescales compose with any policy.
+
     ``scalify`` takes keyword arguments and any pytree in and out, composes with
     ``jax.jit`` on either side, with ``jax.grad``, ``jax.vjp`` and ``jax.vmap`` inside,
-    and with itself (it is idempotent).
+    and with itself (it is idempotent: an already scalified function keeps its policy).
     """
+    policy = rescale_policy.check_policy(policy)
+    if fun is None:
+        return functools.partial(scalify, policy=policy)
+    if not callable(fun):
+        raise TypeError(f"scalify expects a function, got {fun!r}; pass the policy as a keyword: scalify(f, policy=...).")
     if getattr(fun, "_jsa_scalified", False):
         return fun
     trace_cache: collections.OrderedDict = collections.OrderedDict()
@@ -105,11 +123,14 @@ def scalify(fun: Callable[..., Any]) -> Callable[..., Any]:
         dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
         closed_jaxpr, out_tree = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
         dynamic_leaves = [leaves[i] for i in dynamic]
-        with known_pow2.tracking():
+        with known_pow2.tracking(), rescale_policy.applying(policy):
             outs = eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, dynamic_leaves)
+            if policy.outputs:
+                outs = [x if rescale_policy.was_rescaled(x) else rescale_policy.rescale(x) for x in outs]
         return jax.tree.unflatten(out_tree, [_as_jax_arrays(x) for x in outs])
 
     scalified._jsa_scalified = True
+    scalified._jsa_policy = policy
     return scalified
 
 
@@ -223,6 +244,8 @@ def eval_scaled_jaxpr(
         raise ValueError(f"The jaxpr takes {len(jaxpr.invars)} arguments, {len(args)} were given.")
     for v, a, s in zip(jaxpr.invars, args, arg_scalars):
         write(v, a, s)
+    gradients = _gradients_to_rescale(jaxpr)
+
 
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
@@ -233,8 +256,15 @@ def eval_scaled_jaxpr(
         for observer in _trace_state.observers:
             observer(eqn, invals, outvals)
         for v, val, s in zip(eqn.outvars, outvals, out_scalars):
-            write(v, val, s)
+            write(v, rescale_policy.rescale(val) if v in gradients else val, s)
     return [read(v) for v in jaxpr.outvars]
+
+
+def _gradients_to_rescale(jaxpr: Jaxpr) -> frozenset:
+    """The variables of ``jaxpr`` the active policy rescales as gradients (none in a backward pass)."""
+    if not rescale_policy.active_policy().gradients or rescale_policy.in_backward_pass():
+        return frozenset()
+    return rescale_policy.gradient_boundary(jaxpr)
 
 
 def _eval_equation(eqn: JaxprEqn, invals: list, in_scalars: list) -> tuple[list, list]:

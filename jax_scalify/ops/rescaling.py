@@ -39,8 +39,10 @@ import numpy as np
 from ..core.array import ScaledArray, is_floating_dtype, is_scaled_leaf
 from ..core.config import Pow2RoundMode, ScalifyConfig, get_scalify_config
 from ..core.interpreter import scalify
+from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..core.pow2 import pow2_round, pow2_round_down
-from ..lax.primitives import get_data_scale, rebalance
+from ..lax.base_scaling import as_scale
+from ..lax.primitives import get_data_scale, rebalance, scaled_rebalance
 
 Array = Any
 PyTree = Any
@@ -142,6 +144,24 @@ def _rescale_array(x: Array, norm_fn: NormFn, mode: Pow2RoundMode | None, min_sc
     data = jax.lax.stop_gradient(data)  # the factor is a choice of representation, not a function to differentiate
     stat = norm_fn(data.astype(_work_dtype(data.dtype)))
     return rebalance(x, _rescale_factor(stat, scale, mode, min_scale))
+
+
+def rescale_scaled_array(x: ScaledArray, norm: Norm = "l2") -> ScaledArray:
+    """``x`` (a ``ScaledArray`` being evaluated by scalify) with the statistic of its data moved into its scale.
+
+    The form of :func:`dynamic_rescale` that acts on the ``(data, scale)`` pair directly,
+    for the automatic rescales of :class:`jax_scalify.RescalePolicy`: the same statistic,
+    rounding and guards, without a ``jit`` equation around it. A scale known to be a power
+    of two stays known (the factor is one, unless rounding is ``NONE``).
+    """
+    config = get_scalify_config()
+    data = jax.lax.stop_gradient(x.data)
+    stat = _norm_fn(norm)(data.astype(_work_dtype(data.dtype)))
+    scale = as_scale(x.scale)
+    out = scaled_rebalance(x, _rescale_factor(stat, jnp.asarray(scale), config.rounding_mode, None))
+    if config.rounding_mode != Pow2RoundMode.NONE and is_known_pow2(scale):
+        mark_pow2(out.scale)
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("norm_fn", "min_scale", "config"))

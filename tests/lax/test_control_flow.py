@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 from jax.experimental import io_callback
 
@@ -368,3 +369,81 @@ def test_exponential_integrals_run_with_batched_loops():
     for fn in (jax.scipy.special.expi, jax.scipy.special.exp1, lambda v: jax.scipy.special.expn(2, v)):
         got = jsa.scalify(fn)(jsa.as_scaled_array(x))
         np.testing.assert_allclose(np.asarray(got.to_array()), np.asarray(fn(x)), rtol=2e-6)
+
+
+# --- rescale policy: loop carries ----------------------------------------------------------------
+STATIC_POLICY = jsa.RescalePolicy.static()
+CARRIES_ONLY = jsa.RescalePolicy(gradients=False, loop_carries=True, outputs=False)
+
+
+def _data_rms(x) -> float:
+    return float(np.sqrt(np.mean(np.square(np.asarray(x.data, np.float64)))))
+
+
+def _scaled(value, exponent):
+    return jsa.ScaledArray(jnp.asarray(value, jnp.float32), jnp.float32(2.0**exponent))
+
+
+def _growing_scan(w, h0):
+    """Each iteration multiplies the carry by ``w`` (a statically overestimated scale every step)."""
+
+    def step(h, _):
+        return jnp.tanh(h @ w) * 4.0, None
+
+    return lax.scan(step, h0, None, length=12)[0]
+
+
+def _growing_while(w, h0):
+    return lax.fori_loop(0, 12, lambda i, h: jnp.tanh(h @ w) * 4.0, h0)
+
+
+@pytest.mark.parametrize("loop", [_growing_scan, _growing_while], ids=["scan", "fori_loop"])
+def test_loop_carries_are_rescaled_at_every_iteration(loop):
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((8, 8)).astype(np.float32) / 8
+    h0 = rng.standard_normal((2, 8)).astype(np.float32)
+    args = (_scaled(w / 2.0**6, 6), _scaled(h0, -4))
+    static = jsa.scalify(loop, policy=STATIC_POLICY)(*args)
+    rescaled = jsa.scalify(loop, policy=CARRIES_ONLY)(*args)
+    expected = jax.jit(loop)(w, h0)
+    np.testing.assert_allclose(np.asarray(rescaled.to_array()), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(static.to_array()), expected, rtol=1e-5, atol=1e-6)
+    assert _data_rms(static) < 2.0**-8  # the static carry scale ran away from the value
+    assert 0.5 <= _data_rms(rescaled) < 2.0
+
+
+def test_transposed_scan_carries_are_rescaled_in_the_backward_pass():
+    """A GRU-like cell: the cotangent carry of the backward scan would grow by a factor per step."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((8, 8)).astype(np.float32) / np.sqrt(8)
+    u = rng.standard_normal((4, 8)).astype(np.float32) / 2
+    h0 = np.zeros((3, 8), np.float32)
+    xs = rng.standard_normal((16, 3, 4)).astype(np.float32)
+
+    def loss(w, u, xs):
+        return jnp.mean(rnn(w, u, h0, xs)[0] ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    args = (_scaled(w / 2.0**8, 8), _scaled(u * 2.0**8, -8), _scaled(xs, 0))
+    expected = jax.jit(grad)(w, u, xs)
+    static = jsa.scalify(grad, policy=STATIC_POLICY)(*args)
+    rescaled = jsa.scalify(grad, policy=CARRIES_ONLY)(*args)
+    for got in (static, rescaled):
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(np.asarray(g.to_array()), e, rtol=1e-4, atol=1e-7)
+    assert min(_data_rms(g) for g in static) < 2.0**-16
+    assert all(_data_rms(g) > 2.0**-4 for g in rescaled)
+
+
+def test_static_policy_keeps_the_static_loop_carry_scale():
+    """With the static policy the carry scale is the rule's estimate, a pure function of the input scales."""
+    w, h0 = _scaled(np.eye(4) * 0.5, 0), _scaled(np.ones((1, 4)), 0)
+
+    def double(w, h):
+        return lax.fori_loop(0, 3, lambda i, c: (c @ w) * 4.0, h)
+
+    static = jsa.scalify(double, policy=STATIC_POLICY)(w, h0)
+    rescaled = jsa.scalify(double, policy=CARRIES_ONLY)(w, h0)
+    np.testing.assert_array_equal(static.to_array(), rescaled.to_array())
+    assert float(rescaled.scale) == 8.0 and np.all(np.asarray(rescaled.data) == 1.0)  # value 2**3, data 1
+    assert float(static.scale) != float(rescaled.scale)
