@@ -57,6 +57,12 @@ class RescalePolicy:
         norm: the statistic moved into the scale: ``"l2"`` (root mean square, the
             default), ``"l1"`` (mean absolute value) or ``"max"`` (maximum absolute value).
             It is rounded to a power of two with the configured rounding mode.
+        sample_size: the statistic is computed on a strided sample of at most about this
+            many elements of each tensor (every axis sampled with a regular stride);
+            ``None`` reads the whole tensor. A power of two only needs the order of
+            magnitude, and reading every gradient and every state tensor once more would
+            cost several passes over the model per step; the sample costs next to nothing.
+            A sample that is all zeros (e.g. a sparse gradient) leaves the scale unchanged.
 
     ``RescalePolicy()`` (all on, RMS) is the default of ``jsa.scalify``;
     :meth:`RescalePolicy.static` is the paper's pure static propagation (no automatic
@@ -67,6 +73,7 @@ class RescalePolicy:
     loop_carries: bool = True
     outputs: bool = True
     norm: str = "l2"
+    sample_size: int | None = 4096
 
     def __post_init__(self):
         for field in ("gradients", "loop_carries", "outputs"):
@@ -74,6 +81,9 @@ class RescalePolicy:
                 raise TypeError(f"RescalePolicy.{field} must be True or False, got {getattr(self, field)!r}.")
         if self.norm not in _NORMS:
             raise ValueError(f"RescalePolicy.norm must be one of {_NORMS}, got {self.norm!r}.")
+        size = self.sample_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"RescalePolicy.sample_size must be a positive int or None, got {size!r}.")
 
     @classmethod
     def static(cls) -> "RescalePolicy":
@@ -150,7 +160,7 @@ def rescale(x: Any, policy: RescalePolicy | None = None) -> Any:
     from ..ops.rescaling import rescale_scaled_array
 
     policy = policy or active_policy()
-    out = rescale_scaled_array(x, policy.norm)
+    out = rescale_scaled_array(x, policy.norm, policy.sample_size)
     _rescaled_by_policy()[id(out)] = out  # kept alive, so the id is not reused
     return out
 

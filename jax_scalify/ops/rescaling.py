@@ -146,16 +146,37 @@ def _rescale_array(x: Array, norm_fn: NormFn, mode: Pow2RoundMode | None, min_sc
     return rebalance(x, _rescale_factor(stat, scale, mode, min_scale))
 
 
-def rescale_scaled_array(x: ScaledArray, norm: Norm = "l2") -> ScaledArray:
+def strided_sample(data: Array, max_size: int | None) -> Array:
+    """At most about ``max_size`` elements of ``data``: a regular grid of strided slices (``None``: all).
+
+    Each axis is sampled with its own stride (the largest axes first), so no reshape is
+    needed and a sharded array stays sharded the same way. The sample is a view XLA fuses
+    into the reduction that consumes it: a statistic of the sample reads only the sampled
+    elements, not the whole tensor.
+    """
+    if max_size is None or data.size <= max_size:
+        return data
+    counts = list(data.shape)
+    while int(np.prod(counts)) > max_size:
+        axis = int(np.argmax(counts))
+        counts[axis] = -(-counts[axis] // 2)
+    strides = tuple(-(-dim // count) if count else 1 for dim, count in zip(data.shape, counts))
+    return jax.lax.slice(data, (0,) * data.ndim, data.shape, strides)
+
+
+def rescale_scaled_array(x: ScaledArray, norm: Norm = "l2", sample_size: int | None = None) -> ScaledArray:
     """``x`` (a ``ScaledArray`` being evaluated by scalify) with the statistic of its data moved into its scale.
 
     The form of :func:`dynamic_rescale` that acts on the ``(data, scale)`` pair directly,
     for the automatic rescales of :class:`jax_scalify.RescalePolicy`: the same statistic,
-    rounding and guards, without a ``jit`` equation around it. A scale known to be a power
-    of two stays known (the factor is one, unless rounding is ``NONE``).
+    rounding and guards, without a ``jit`` equation around it. With ``sample_size`` the
+    statistic is that of a strided sample of at most about that many elements
+    (:func:`strided_sample`): enough to choose a power of two, at a fraction of the cost of
+    reading the whole tensor. A scale known to be a power of two stays known (the factor is
+    one, unless rounding is ``NONE``).
     """
     config = get_scalify_config()
-    data = jax.lax.stop_gradient(x.data)
+    data = strided_sample(jax.lax.stop_gradient(x.data), sample_size)
     stat = _norm_fn(norm)(data.astype(_work_dtype(data.dtype)))
     scale = as_scale(x.scale)
     out = scaled_rebalance(x, _rescale_factor(stat, jnp.asarray(scale), config.rounding_mode, None))
