@@ -126,7 +126,9 @@ def scalify(fun: Callable[..., Any] | None = None, *, policy: RescalePolicy | No
         with known_pow2.tracking(), rescale_policy.applying(policy):
             outs = eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, dynamic_leaves)
             if policy.outputs:
-                outs = [x if rescale_policy.was_rescaled(x) else rescale_policy.rescale(x) for x in outs]
+                fresh = [i for i, x in enumerate(outs) if not rescale_policy.was_rescaled(x)]
+                for i, x in zip(fresh, rescale_policy.rescale_all([outs[i] for i in fresh])):
+                    outs[i] = x
         return jax.tree.unflatten(out_tree, [_as_jax_arrays(x) for x in outs])
 
     scalified._jsa_scalified = True
@@ -247,7 +249,16 @@ def eval_scaled_jaxpr(
     gradients = _gradients_to_rescale(jaxpr)
 
 
+    pending: list[Var] = []  # gradients defined, to rescale together before their first forward use
+
+    def rescale_pending():
+        for v, val in zip(pending, rescale_policy.rescale_all([env[v] for v in pending])):
+            env[v] = val
+        pending.clear()
+
     for eqn in jaxpr.eqns:
+        if pending and any(isinstance(v, Var) and v in gradients for v in eqn.invars) and not _is_backward(eqn):
+            rescale_pending()
         invals = [read(v) for v in eqn.invars]
         in_scalars = [read_scalar(v) for v in eqn.invars]
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
@@ -256,8 +267,16 @@ def eval_scaled_jaxpr(
         for observer in _trace_state.observers:
             observer(eqn, invals, outvals)
         for v, val, s in zip(eqn.outvars, outvals, out_scalars):
-            write(v, rescale_policy.rescale(val) if v in gradients else val, s)
+            write(v, val, s)
+            if v in gradients:
+                pending.append(v)
+    if pending:
+        rescale_pending()
     return [read(v) for v in jaxpr.outvars]
+
+
+def _is_backward(eqn: JaxprEqn) -> bool:
+    return "transpose(" in str(eqn.source_info.name_stack)
 
 
 def _gradients_to_rescale(jaxpr: Jaxpr) -> frozenset:

@@ -165,6 +165,25 @@ def rescale(x: Any, policy: RescalePolicy | None = None) -> Any:
     return out
 
 
+def rescale_all(values: Sequence[Any], policy: RescalePolicy | None = None) -> list:
+    """``values`` with the rescalable ones rescaled together (one batch of statistics), others unchanged.
+
+    See :func:`jax_scalify.ops.rescaling.rescale_scaled_arrays`.
+    """
+    values = list(values)
+    where = [i for i, x in enumerate(values) if is_rescalable(x)]
+    if not where:
+        return values
+    from ..ops.rescaling import rescale_scaled_arrays
+
+    policy = policy or active_policy()
+    outs = rescale_scaled_arrays([values[i] for i in where], policy.norm, policy.sample_size)
+    for i, out in zip(where, outs):
+        values[i] = out
+        _rescaled_by_policy()[id(out)] = out
+    return values
+
+
 def was_rescaled(x: Any) -> bool:
     """True if ``x`` is the result of a policy rescale of the current ``scalify`` evaluation."""
     return _rescaled_by_policy().get(id(x)) is x
@@ -174,7 +193,7 @@ def rescale_loop_carries(carries: Sequence[Any]) -> list:
     """The carries of one loop iteration, rescaled if the active policy says so."""
     if not active_policy().loop_carries:
         return list(carries)
-    return [rescale(c) for c in carries]
+    return rescale_all(carries)
 
 
 # --- gradients: the values leaving the backward pass ------------------------------------------
@@ -217,6 +236,7 @@ __all__ = [
     "in_backward_pass",
     "is_rescalable",
     "rescale",
+    "rescale_all",
     "rescale_loop_carries",
     "was_rescaled",
 ]

@@ -185,6 +185,54 @@ def rescale_scaled_array(x: ScaledArray, norm: Norm = "l2", sample_size: int | N
     return out
 
 
+def _sample_rows(xs: list[ScaledArray], sample_size: int) -> tuple[Array, np.ndarray]:
+    """The strided samples of the data of ``xs``, zero-padded into the rows of one matrix, and their sizes."""
+    samples = [strided_sample(jax.lax.stop_gradient(x.data), sample_size).reshape(-1) for x in xs]
+    work = np.float64 if any(np.dtype(s.dtype) == np.float64 for s in samples) else np.float32
+    length = max(s.size for s in samples)
+    rows = jnp.stack([jnp.pad(s.astype(work), (0, length - s.size)) for s in samples])
+    return rows, np.array([s.size for s in samples], work)
+
+
+def _row_statistics(rows: Array, sizes: np.ndarray, norm: str) -> Array:
+    """Per row: the statistic ``norm`` of its first ``sizes[i]`` elements (zero padding changes none of them)."""
+    magnitudes = jnp.abs(rows)
+    top = jnp.max(magnitudes, axis=1)
+    if norm == "max":
+        return top
+    m = pow2_round_down(top)
+    m = jnp.where(jnp.isfinite(m) & (m > 0), m, jnp.ones_like(m))
+    normed = magnitudes / m[:, None]
+    if norm == "l1":
+        return m * (jnp.sum(normed, axis=1) / sizes)
+    return m * jnp.sqrt(jnp.sum(jnp.square(normed), axis=1) / sizes)
+
+
+def rescale_scaled_arrays(xs: list[ScaledArray], norm: str = "l2", sample_size: int | None = 4096) -> list[ScaledArray]:
+    """:func:`rescale_scaled_array` of several ``ScaledArray`` at once, their statistics computed together.
+
+    The samples of all the tensors are stacked into one matrix and reduced row by row, and
+    the factors computed as one vector: a handful of kernels for the whole batch instead of
+    a few per tensor, which keeps the compile time of a step with hundreds of rescaled
+    tensors low. ``norm`` is ``"l1"``, ``"l2"`` or ``"max"``. Without ``sample_size`` (whole
+    tensors), each is rescaled on its own (stacking them would copy them).
+    """
+    if sample_size is None or len(xs) < 2:
+        return [rescale_scaled_array(x, norm, sample_size) for x in xs]
+    config = get_scalify_config()
+    rows, sizes = _sample_rows(xs, sample_size)
+    stats = _row_statistics(rows, sizes, norm)
+    scales = jnp.stack([jnp.asarray(as_scale(x.scale)) for x in xs])
+    factors = _rescale_factor(stats, scales, config.rounding_mode, None)
+    outs = []
+    for i, x in enumerate(xs):
+        out = scaled_rebalance(x, factors[i])
+        if config.rounding_mode != Pow2RoundMode.NONE and is_known_pow2(as_scale(x.scale)):
+            mark_pow2(out.scale)
+        outs.append(out)
+    return outs
+
+
 @functools.partial(jax.jit, static_argnames=("norm_fn", "min_scale", "config"))
 def _rescale_jit(x: Array, norm_fn: NormFn, min_scale: float | None, config: ScalifyConfig) -> Array:
     """One jitted call per leaf: cheap eagerly, one ``jit`` equation in a trace.

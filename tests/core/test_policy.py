@@ -98,19 +98,26 @@ def test_gradient_boundary_is_the_values_leaving_the_backward_pass():
     assert len(boundary) == 1  # the gradient, used by the update and returned; nothing inside the backward pass
 
 
-def test_gradients_are_rescaled_once_right_after_the_backward_pass(monkeypatch):
+def test_gradients_are_rescaled_once_in_one_batch_after_the_backward_pass(monkeypatch):
     from jax_scalify.ops import rescaling
 
-    calls = []
-    original = rescaling.rescale_scaled_array
-    monkeypatch.setattr(rescaling, "rescale_scaled_array", lambda x, norm, size: calls.append(x.shape) or original(x, norm, size))
+    batches = []
+    original = rescaling.rescale_scaled_arrays
+    monkeypatch.setattr(
+        rescaling, "rescale_scaled_arrays", lambda xs, *a: batches.append([x.shape for x in xs]) or original(xs, *a)
+    )
     ws, x = scaled(W * 2.0**-8, 8), scaled(X * 2.0**8, -8)
-    _, grads, new_ws = jsa.scalify(sgd_step, policy=jsa.RescalePolicy(loop_carries=False, outputs=False))(ws, x)
-    assert calls == [W.shape]  # one rescale: the gradient (not the loss, not the update)
+
+    def step(ws, x):
+        loss, (gw, gx) = jax.value_and_grad(mlp_loss, argnums=(0, 1))(ws, x)
+        return ws - 0.1 * gw, x - 0.1 * gx
+
+    new_ws, new_x = jsa.scalify(step, policy=jsa.RescalePolicy(loop_carries=False, outputs=False))(ws, x)
+    assert [sorted(b) for b in batches] == [sorted([W.shape, X.shape])]  # both gradients, together, before the update uses them
+    batches.clear()
+    _, grads, _ = jsa.scalify(sgd_step)(ws, x)
+    assert batches == [[W.shape], [(), W.shape]]  # the gradient; then the loss and new weights (grads not twice)
     assert 0.5 <= data_rms(grads) < 2.0
-    calls.clear()
-    jsa.scalify(sgd_step)(ws, x)
-    assert sorted(calls) == sorted([(), W.shape, W.shape])  # + the loss and the new weights; grads not twice
 
 
 def test_gradient_scales_follow_the_values_with_inputs_off_by_2_pow_8():
