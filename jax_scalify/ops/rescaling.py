@@ -41,7 +41,7 @@ from ..core.config import Pow2RoundMode, ScalifyConfig, get_scalify_config
 from ..core.interpreter import scalify
 from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..core.pow2 import pow2_round, pow2_round_down
-from ..lax.base_scaling import as_scale
+from ..lax.base_scaling import as_scale, mul_data
 from ..lax.primitives import get_data_scale, rebalance, scaled_rebalance
 
 Array = Any
@@ -224,9 +224,10 @@ def rescale_scaled_arrays(xs: list[ScaledArray], norm: str = "l2", sample_size: 
     stats = _row_statistics(rows, sizes, norm)
     scales = jnp.stack([jnp.asarray(as_scale(x.scale)) for x in xs])
     factors = _rescale_factor(stats, scales, config.rounding_mode, None)
+    inverses, new_scales = 1 / factors, scales * factors
     outs = []
     for i, x in enumerate(xs):
-        out = scaled_rebalance(x, factors[i])
+        out = ScaledArray(mul_data(x.data, inverses[i]), new_scales[i])
         if config.rounding_mode != Pow2RoundMode.NONE and is_known_pow2(as_scale(x.scale)):
             mark_pow2(out.scale)
         outs.append(out)

@@ -14,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 import jax_scalify as jsa
 from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, normal
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 N = 8
 pytestmark = pytest.mark.skipif(jax.device_count() < N, reason=f"needs {N} devices (tests/conftest.py sets them)")
 
@@ -110,7 +112,7 @@ def scaled(x, scale, dtype=jnp.float32):
 def test_psum_unit_scaling():
     """A psum over 8 devices of unit-scale blocks: scale * pow2(sqrt(8)) = 2, data / 2."""
     x = scaled(np.full((16, 3), 2.0**-3), 2.0**-3)  # data 1
-    out = jsa.scalify(smap(P("x"), P())(lambda v: jax.lax.psum(v, "x")))(x)
+    out = jsa.scalify(smap(P("x"), P())(lambda v: jax.lax.psum(v, "x")), policy=STATIC_POLICY)(x)
     assert float(out.scale) == 2.0**-3 * 2
     np.testing.assert_array_equal(np.asarray(out.data), np.full((2, 3), 4.0))
     np.testing.assert_array_equal(np.asarray(out.to_array()), np.full((2, 3), 1.0))
