@@ -39,6 +39,7 @@ import numpy as np
 from ..core.array import ScaledArray, is_floating_dtype, is_scaled_leaf
 from ..core.config import Pow2RoundMode, ScalifyConfig, get_scalify_config
 from ..core.interpreter import scalify
+from ..core.policy import STATIC_POLICY
 from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..core.pow2 import pow2_round, pow2_round_down
 from ..lax.base_scaling import as_scale, mul_data
@@ -248,7 +249,7 @@ def _rescale_jit(x: Array, norm_fn: NormFn, min_scale: float | None, config: Sca
 def _rescale_leaf(x: Any, norm_fn: NormFn, config: ScalifyConfig, min_scale: float | None) -> Any:
     if isinstance(x, ScaledArray):
         # A ScaledArray outside scalify: rescale its representation eagerly.
-        return scalify(lambda a: _rescale_jit(a, norm_fn, min_scale, config))(x)
+        return scalify(lambda a: _rescale_jit(a, norm_fn, min_scale, config), policy=STATIC_POLICY)(x)
     if not _is_floating_array(x):
         return x
     return _rescale_jit(x, norm_fn, min_scale, config)
