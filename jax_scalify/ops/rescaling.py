@@ -186,15 +186,6 @@ def rescale_scaled_array(x: ScaledArray, norm: Norm = "l2", sample_size: int | N
     return out
 
 
-def _sample_rows(xs: list[ScaledArray], sample_size: int) -> tuple[Array, np.ndarray]:
-    """The strided samples of the data of ``xs``, zero-padded into the rows of one matrix, and their sizes."""
-    samples = [strided_sample(jax.lax.stop_gradient(x.data), sample_size).reshape(-1) for x in xs]
-    work = np.float64 if any(np.dtype(s.dtype) == np.float64 for s in samples) else np.float32
-    length = max(s.size for s in samples)
-    rows = jnp.stack([jnp.pad(s.astype(work), (0, length - s.size)) for s in samples])
-    return rows, np.array([s.size for s in samples], work)
-
-
 def _row_statistics(rows: Array, sizes: np.ndarray, norm: str) -> Array:
     """Per row: the statistic ``norm`` of its first ``sizes[i]`` elements (zero padding changes none of them)."""
     magnitudes = jnp.abs(rows)
@@ -209,20 +200,42 @@ def _row_statistics(rows: Array, sizes: np.ndarray, norm: str) -> Array:
     return m * jnp.sqrt(jnp.sum(jnp.square(normed), axis=1) / sizes)
 
 
+def _explicitly_sharded(x: Array) -> bool:
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    return mesh is not None and not mesh.empty and jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
+
+
+def _batch_statistics(samples: list[Array], norm: str, work, stack: bool) -> Array:
+    """The statistic of each sample, as one vector.
+
+    The samples are flattened, zero-padded and stacked into one matrix reduced row by row
+    (two reductions for the whole batch, a few kernels to compile); under explicit sharding,
+    where samples of differently sharded tensors cannot be stacked, or without ``stack``
+    (whole tensors, which stacking would copy), each is reduced on its own.
+    """
+    if not stack or norm not in ("l1", "l2", "max") or any(_explicitly_sharded(d) for d in samples):
+        norm_fn = _norm_fn(norm)
+        return jnp.stack([norm_fn(d.astype(work)) for d in samples])
+    flat = [d.reshape(-1).astype(work) for d in samples]
+    length = max(d.size for d in flat)
+    rows = jnp.stack([jnp.pad(d, (0, length - d.size)) for d in flat])
+    return _row_statistics(rows, np.array([d.size for d in flat], work), norm)
+
+
 def rescale_scaled_arrays(xs: list[ScaledArray], norm: str = "l2", sample_size: int | None = 4096) -> list[ScaledArray]:
     """:func:`rescale_scaled_array` of several ``ScaledArray`` at once, their statistics computed together.
 
-    The samples of all the tensors are stacked into one matrix and reduced row by row, and
-    the factors computed as one vector: a handful of kernels for the whole batch instead of
-    a few per tensor, which keeps the compile time of a step with hundreds of rescaled
-    tensors low. ``norm`` is ``"l1"``, ``"l2"`` or ``"max"``. Without ``sample_size`` (whole
-    tensors), each is rescaled on its own (stacking them would copy them).
+    The statistics of the (sampled) data are computed together (:func:`_batch_statistics`)
+    and the factors, their inverses and the new scales as vectors: the scalar arithmetic of
+    the batch is a few kernels instead of a few per tensor. ``norm`` is ``"l1"``, ``"l2"``,
+    ``"max"`` or a callable.
     """
-    if sample_size is None or len(xs) < 2:
+    if len(xs) < 2:
         return [rescale_scaled_array(x, norm, sample_size) for x in xs]
     config = get_scalify_config()
-    rows, sizes = _sample_rows(xs, sample_size)
-    stats = _row_statistics(rows, sizes, norm)
+    samples = [strided_sample(jax.lax.stop_gradient(x.data), sample_size) for x in xs]
+    work = np.float64 if any(np.dtype(d.dtype) == np.float64 for d in samples) else np.float32
+    stats = _batch_statistics(samples, norm, work, stack=sample_size is not None)
     scales = jnp.stack([jnp.asarray(as_scale(x.scale)) for x in xs])
     factors = _rescale_factor(stats, scales, config.rounding_mode, None)
     inverses, new_scales = 1 / factors, scales * factors

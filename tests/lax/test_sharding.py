@@ -264,3 +264,31 @@ def test_shard_map_training_step_matches_unsharded():
     got = jax.jit(jsa.scalify(step))(jsa.as_scaled_array(params), jsa.as_scaled_array(x), jsa.as_scaled_array(y))
     assert_pow2_scales(got)
     assert_close_values(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "axis_type, specs",
+    [
+        (AxisType.Auto, {"w1": P("x", None), "b1": P(), "w2": P("x", None)}),  # FSDP: parameters sharded
+        (AxisType.Explicit, {"w1": P(), "b1": P(), "w2": P()}),  # data parallel, sharding in types
+    ],
+    ids=["auto_fsdp", "explicit_data_parallel"],
+)
+def test_default_rescale_policy_under_sharding(axis_type, specs):
+    """Gradients and outputs rescaled by the default policy with the batch (and parameters) sharded on 8 devices."""
+    mesh = jax.make_mesh((N,), ("x",), axis_types=(axis_type,))
+    params, x, y = _mlp_problem(np.random.default_rng(2))
+    scaled_in = (_scaled_put(params, mesh, specs), *_scaled_put((x, y), mesh, (P("x"), P("x"))))
+    step = jax.jit(jsa.scalify(sgd_step))
+    got = step(*scaled_in)
+    assert_close_values(got, sgd_step(params, x, y), rtol=1e-5, atol=1e-6)
+    plain = jax.jit(sgd_step)(_put(params, mesh, specs), *_put((x, y), mesh, (P("x"), P("x"))))
+    for new, expected in zip(jax.tree.leaves(got[1], is_leaf=jsa.is_scaled_leaf), jax.tree.leaves(plain[1])):
+        # The weights keep the plain step's sharding (GSPMD may shard the small bias differently).
+        assert new.data.ndim == 1 or new.data.sharding.is_equivalent_to(expected.sharding, new.data.ndim)
+        assert new.scale.sharding.is_fully_replicated
+        assert 0.5 <= float(np.sqrt(np.mean(np.square(np.asarray(new.data))))) < 2.0
+    hlo = step.lower(*scaled_in).compile().as_text()
+    static_hlo = jax.jit(jsa.scalify(sgd_step, policy=jsa.RescalePolicy.static())).lower(*scaled_in).compile().as_text()
+    # The statistics add a few all-reduces (XLA combines many of them), not one per tensor.
+    assert hlo.count("all-reduce(") <= static_hlo.count("all-reduce(") + 6
