@@ -118,7 +118,7 @@ def gpt_inputs(dtype):
     return params, OPT.init(params), tokens
 
 
-def with_constant_scales(step):
+def with_constant_scales(step, policy=None):
     """``step`` scalified with every floating input at scale 1 fixed at trace time (a NumPy scale).
 
     The scale arithmetic that depends only on input scales then folds in Python and emits
@@ -130,23 +130,23 @@ def with_constant_scales(step):
 
     def constant_scaled_step(*args):
         fixed = jax.tree.map(lambda x: jsa.ScaledArray(x, np.float32(1)) if jnp.issubdtype(x.dtype, jnp.floating) else x, args)
-        return jsa.scalify(step)(*fixed)
+        return jsa.scalify(step, policy=policy)(*fixed)
 
     return constant_scaled_step
 
 
 # --- running ---------------------------------------------------------------------------------
-def compare(name, step, inputs, rounds, compile_rounds):
-    """Runtime and compile time of ``step``, plain and scalified."""
+def compare(name, step, inputs, rounds, compile_rounds, policy=None):
+    """Runtime and compile time of ``step``, plain and scalified (with the rescale ``policy``)."""
     plain = jax.jit(step)
-    scaled_step = jax.jit(jsa.scalify(step))
+    scaled_step = jax.jit(jsa.scalify(step, policy=policy))
     scaled_inputs = jsa.as_scaled_array(inputs)
     times = interleaved_medians({"plain": lambda: plain(*inputs), "scalify": lambda: scaled_step(*scaled_inputs)}, rounds)
     compiles = interleaved_compile_medians(
         {
             "plain": lambda: compile_times(step, *inputs),
-            "scalify": lambda: compile_times(jsa.scalify(step), *scaled_inputs),
-            "const": lambda: compile_times(with_constant_scales(step), *inputs),
+            "scalify": lambda: compile_times(jsa.scalify(step, policy=policy), *scaled_inputs),
+            "const": lambda: compile_times(with_constant_scales(step, policy), *inputs),
         },
         compile_rounds,
     )
@@ -179,7 +179,12 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--only", help="comma-separated subset of benchmark names")
+    parser.add_argument(
+        "--policy", choices=("default", "static"), default="default",
+        help="rescale policy of the scalified step (jsa.RescalePolicy() or RescalePolicy.static())",
+    )
     args = parser.parse_args(argv)
+    policy = jsa.RescalePolicy.static() if args.policy == "static" else jsa.RescalePolicy()
     rounds, compile_rounds = (5, 2) if args.quick else (30, 5)
     benches = {
         "mlp_fp32": (mlp_step, lambda: mlp_inputs(jnp.float32)),
@@ -189,12 +194,12 @@ def main(argv=None):
     }
     if args.only:
         benches = {k: v for k, v in benches.items() if k in args.only.split(",")}
-    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {rounds} interleaved rounds")
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {rounds} interleaved rounds, {args.policy} policy")
     print(
         f"{'benchmark':<16}{'plain ms':>10}{'scalify ms':>12}{'ratio':>9}{'plain cmp':>11}{'scalify cmp':>13}"
         f"{'ratio':>9}{'plain cpu':>10}{'scalify cpu':>12}{'ratio':>9}{'const':>9}"
     )
-    rows = [compare(name, step, make(), rounds, compile_rounds) for name, (step, make) in benches.items()]
+    rows = [compare(name, step, make(), rounds, compile_rounds, policy) for name, (step, make) in benches.items()]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

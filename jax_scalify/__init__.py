@@ -5,6 +5,7 @@ from . import nn
 from . import optim
 from .core import (
     Pow2RoundMode,
+    RescalePolicy,
     ScaledArray,
     ScalifyConfig,
     as_scaled_array,

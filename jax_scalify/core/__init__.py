@@ -18,6 +18,7 @@ from .compat import (
 from .config import Pow2RoundMode, ScalifyConfig, get_scalify_config
 from .custom_scale import custom_scale, custom_scale_call_p
 from .interpreter import eval_scaled_jaxpr, observe_equations, scalify, unpromoted_inputs
+from .policy import RescalePolicy
 from .pow2 import get_mantissa, pow2_decompose, pow2_exponent, pow2_round, pow2_round_down, pow2_round_up
 from .promotion import AnyScaleArray, is_any_scale
 from .registry import (
@@ -59,6 +60,7 @@ __all__ = [
     "safe_reciprocal",
     "Pow2RoundMode",
     "RegisteredRule",
+    "RescalePolicy",
     "ScaledArray",
     "ScaledPrimitiveType",
     "ScalifyConfig",

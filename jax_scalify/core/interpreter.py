@@ -31,7 +31,9 @@ from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, jaxprs_in_params
 
 from . import constants, known_pow2
+from . import policy as rescale_policy
 from .array import ScaledArray, check_scalify_inputs, is_floating_dtype, is_scaled_leaf
+from .policy import RescalePolicy
 from .promotion import AnyScaleArray, promote
 from .registry import ScaledPrimitiveType, find_registered_scaled_op, scalar_preserving_fn
 from .vma import match_varying_axes
@@ -84,8 +86,9 @@ def unpromoted_inputs(rule: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def scalify(
-    fun: Callable[..., Any],
+    fun: Callable[..., Any] | None = None,
     *,
+    policy: RescalePolicy | None = None,
     static_argnums: int | Sequence[int] | None = None,
     static_argnames: str | Sequence[str] | None = None,
 ) -> Callable[..., Any]:
@@ -108,10 +111,30 @@ def scalify(
     returned as they are. Flax NNX objects (modules, optimizers, ``nnx.Rngs``) may be
     passed: their in-place updates inside ``fun`` are carried back to the objects given.
 
+    Args:
+        fun: the function to transform. Without it, ``scalify(policy=..., ...)`` returns a
+            decorator.
+        policy: where scales are re-estimated from the data at run time (a
+            :class:`~jax_scalify.RescalePolicy`). ``None`` is ``RescalePolicy()``: the
+            gradients the step computes, loop carries and the returned values are rescaled
+            to their root mean square, so programs written without scalify in mind keep
+            their data near unit size over many steps. ``RescalePolicy.static()`` is the
+            paper's pure static propagation (output scales are functions of input scales
+            only). Manual ``jsa.ops`` rescales compose with any policy.
+        static_argnums, static_argnames: arguments made static as a whole, as in ``jax.jit``.
+
     ``scalify`` takes keyword arguments and any pytree in and out, composes with
     ``jax.jit``, ``eqx.filter_jit`` and ``nnx.jit`` on either side, with ``jax.grad``,
-    ``jax.vjp`` and ``jax.vmap`` inside, and with itself (it is idempotent).
+    ``jax.vjp`` and ``jax.vmap`` inside, and with itself (it is idempotent: an already
+    scalified function keeps its policy).
     """
+    policy = rescale_policy.check_policy(policy)
+    if fun is None:
+        return functools.partial(
+            scalify, policy=policy, static_argnums=static_argnums, static_argnames=static_argnames
+        )
+    if not callable(fun):
+        raise TypeError(f"scalify expects a function, got {fun!r}; pass the policy as a keyword: scalify(f, policy=...).")
     if getattr(fun, "_jsa_scalified", False) and static_argnums is None and static_argnames is None:
         return fun
     argnums, argnames = _static_arguments(fun, static_argnums, static_argnames)
@@ -122,15 +145,16 @@ def scalify(
         args, kwargs = _hold_static_arguments(args, kwargs, argnums, argnames)
         graph_call = _nnx_graph_call(fun, args, kwargs)
         if graph_call is not None:
-            outs = _scalified_call(trace_cache, graph_call.functional_fun, graph_call.functional_args, {})
+            outs = _scalified_call(trace_cache, policy, graph_call.functional_fun, graph_call.functional_args, {})
             return graph_call.write_back(*outs)
-        return _scalified_call(trace_cache, fun, args, kwargs)
+        return _scalified_call(trace_cache, policy, fun, args, kwargs)
 
     scalified._jsa_scalified = True
+    scalified._jsa_policy = policy
     return scalified
 
 
-def _scalified_call(trace_cache, fun, args, kwargs):
+def _scalified_call(trace_cache, policy: RescalePolicy, fun, args, kwargs):
     leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=is_scaled_leaf)
     if _is_tracing_user_code() and not any(isinstance(x, ScaledArray) for x in leaves):
         # Called while an outer scalify traces: the outer interpreter sees these equations.
@@ -140,8 +164,13 @@ def _scalified_call(trace_cache, fun, args, kwargs):
     dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
     closed_jaxpr, out_tree, static_outs = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
     dynamic_leaves = [leaves[i] for i in dynamic]
-    with known_pow2.tracking(), constants.exact_constants(_exact_constants.get(closed_jaxpr.jaxpr)):
+    exact = constants.exact_constants(_exact_constants.get(closed_jaxpr.jaxpr))
+    with known_pow2.tracking(), exact, rescale_policy.applying(policy):
         outs = eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, dynamic_leaves)
+        if policy.outputs:
+            fresh = [i for i, x in enumerate(outs) if not rescale_policy.was_rescaled(x)]
+            for i, x in zip(fresh, rescale_policy.rescale_all([outs[i] for i in fresh])):
+                outs[i] = x
     return _rebuild_outputs(out_tree, static_outs, outs)
 
 
@@ -337,8 +366,19 @@ def eval_scaled_jaxpr(
         raise ValueError(f"The jaxpr takes {len(jaxpr.invars)} arguments, {len(args)} were given.")
     for v, a, s in zip(jaxpr.invars, args, arg_scalars):
         write(v, a, s)
+    gradients = _gradients_to_rescale(jaxpr)
+
+
+    pending: list[Var] = []  # gradients defined, to rescale together before their first forward use
+
+    def rescale_pending():
+        for v, val in zip(pending, rescale_policy.rescale_all([env[v] for v in pending])):
+            env[v] = val
+        pending.clear()
 
     for eqn in jaxpr.eqns:
+        if pending and any(isinstance(v, Var) and v in gradients for v in eqn.invars) and not _is_backward(eqn):
+            rescale_pending()
         invals = [read(v) for v in eqn.invars]
         in_scalars = [read_scalar(v) for v in eqn.invars]
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
@@ -348,7 +388,22 @@ def eval_scaled_jaxpr(
             observer(eqn, invals, outvals)
         for v, val, s in zip(eqn.outvars, outvals, out_scalars):
             write(v, val, s)
+            if v in gradients:
+                pending.append(v)
+    if pending:
+        rescale_pending()
     return [read(v) for v in jaxpr.outvars]
+
+
+def _is_backward(eqn: JaxprEqn) -> bool:
+    return "transpose(" in str(eqn.source_info.name_stack)
+
+
+def _gradients_to_rescale(jaxpr: Jaxpr) -> frozenset:
+    """The variables of ``jaxpr`` the active policy rescales as gradients (none in a backward pass)."""
+    if not rescale_policy.active_policy().gradients or rescale_policy.in_backward_pass():
+        return frozenset()
+    return rescale_policy.gradient_boundary(jaxpr)
 
 
 def _eval_equation(eqn: JaxprEqn, invals: list, in_scalars: list) -> tuple[list, list]:

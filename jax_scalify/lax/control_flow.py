@@ -23,6 +23,13 @@ with scale 1 (the value is unchanged), and carried scales are scalars of the con
 scale dtype: a carry's scale is an ordinary loop variable and may change from one
 iteration to the next.
 
+Under a rescale policy with ``loop_carries`` (the default of ``jsa.scalify``), the scaled
+carries a ``scan`` or ``while`` body returns are rescaled dynamically at every iteration
+(their RMS moved into the scale, see :mod:`jax_scalify.core.policy`): a body's static
+estimate would otherwise compound once per iteration (a recurrent cell's carry scale
+growing by a constant factor per step until the data underflow). This covers the
+transposed scans of a backward pass too. The value of each carry is unchanged.
+
 Known powers of two (:mod:`jax_scalify.core.known_pow2`) cross the loop boundary the same
 way: a carry whose initial scale is known to be a power of two is assumed to stay one in the
 body; if the body's output scale is not known to be one, the assumption is dropped for that
@@ -42,6 +49,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from ..core.array import ScaledArray
 from ..core.interpreter import concrete_scalar, eval_scaled_jaxpr, unpromoted_inputs
 from ..core.known_pow2 import is_known_pow2, mark_pow2
+from ..core.policy import rescale_loop_carries
 from ..core.registry import ScaledPrimitiveType, lax_primitive, primitive_of, register_scaled_op
 from .base_scaling import align_to_largest, as_scale, mul_data, rescale, scale_dtype, select
 
@@ -281,7 +289,8 @@ def scaled_scan(
     """Body scalified; carries scaled if scaled on entry or in the body; ys rebalanced to their largest scale.
 
     Consts and scanned inputs (xs) keep their scaled or plain form; a scaled xs is scanned
-    over its data with its (scalar) scale held constant. Carries: see the module docstring.
+    over its data with its (scalar) scale held constant. Carries: see the module docstring
+    (rescaled at every iteration under a policy with ``loop_carries``).
 
     Scanned outputs (ys) of a scaled body have a scale per iteration. When that scale is a
     trace-time constant (loop invariant), the ys keep it. Otherwise the body emits its
@@ -331,6 +340,7 @@ def scaled_scan(
             outs = _eval_closed(jaxpr, [*consts, *carry, *x_vals])
             carry_out, ys = outs[:num_carry], outs[num_carry:]
             _check_structure(owner, carry_out, scaled)
+            carry_out = rescale_loop_carries(carry_out)
             assumed.check(owner, carry_out, scaled)
             ys_flat, kinds = _split_ys(ys)
             ys_kinds[:] = kinds
@@ -362,7 +372,10 @@ def _mark_stacked_scales(flat: Sequence[Any], kinds: Sequence[tuple[str, Any]], 
 def scaled_while(
     *args: Any, cond_jaxpr: ClosedJaxpr, body_jaxpr: ClosedJaxpr, cond_nconsts: int, body_nconsts: int
 ) -> list:
-    """Condition and body scalified; carries scaled if scaled on entry or in the body, scales traced."""
+    """Condition and body scalified; carries scaled if scaled on entry or in the body, scales traced.
+
+    Under a policy with ``loop_carries`` the body's scaled carries are rescaled at every iteration.
+    """
     cond_consts, body_consts = args[:cond_nconsts], args[cond_nconsts : cond_nconsts + body_nconsts]
     init = args[cond_nconsts + body_nconsts :]
     assumed = _Pow2Assumption(init)
@@ -389,6 +402,7 @@ def scaled_while(
             if batched:
                 active = predicate(carry)
                 outs = [_select_lanes(active, new, old) for new, old in zip(outs, carry)]
+            outs = rescale_loop_carries(outs)
             assumed.check(owner, outs, scaled)
             return _flatten(outs, scaled)
 

@@ -20,6 +20,7 @@ import numpy as np
 from ..core.array import ScaledArray
 from ..core.custom_scale import custom_scale
 from ..core.interpreter import scalify
+from ..core.policy import STATIC_POLICY
 from ..core.pow2 import pow2_round_up
 from ..ops.rescaling import Norm, dynamic_rescale_grad
 from ._util import Axis, normalize_axes, pow2_scale, scalar_scale, scaled_output, widen
@@ -36,7 +37,8 @@ def _affine(y: Array, gain: Array | None, bias: Array | None) -> Array:
     return y
 
 
-_scaled_affine = scalify(_affine)  # the gain and bias with the mul and add rules (one trace cache)
+# The gain and bias with the mul and add rules (one trace cache); no automatic rescale inside a rule.
+_scaled_affine = scalify(_affine, policy=STATIC_POLICY)
 
 
 def _plain_normalise(x: Array, axes: tuple[int, ...], eps: float, center: bool) -> Array:

@@ -29,6 +29,7 @@ import numpy as np
 from ..core.array import ScaledArray, is_scaled_leaf
 from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.interpreter import scalify
+from ..core.policy import STATIC_POLICY
 from ..lax.primitives import get_data_scale, rebalance, stop_scaling
 from .rescaling import Norm, NormFn, _is_floating_array, _norm_fn, _pow2_floor, _rescale_factor, _work_dtype
 
@@ -126,7 +127,7 @@ def delayed_rescale(
     if any(isinstance(x, ScaledArray) for x in leaves + stats):
         # Only outside scalify are leaves ScaledArray objects (inside, they trace as data).
         fn = lambda t, s: delayed_rescale(t, s, norm, rounding_mode=rounding_mode, min_scale=min_scale)  # noqa: E731
-        return scalify(fn)(tree, state)
+        return scalify(fn, policy=STATIC_POLICY)(tree, state)
     min_scale = None if min_scale is None else _pow2_floor(min_scale)
     outs = [_delayed_leaf(x, m, norm_fn, rounding_mode, min_scale) for x, m in zip(leaves, stats)]
     new_tree = jax.tree.unflatten(treedef, [x for x, _ in outs])

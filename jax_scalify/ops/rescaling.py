@@ -39,8 +39,11 @@ import numpy as np
 from ..core.array import ScaledArray, is_floating_dtype, is_scaled_leaf
 from ..core.config import Pow2RoundMode, ScalifyConfig, get_scalify_config
 from ..core.interpreter import scalify
+from ..core.policy import STATIC_POLICY
+from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..core.pow2 import pow2_round, pow2_round_down
-from ..lax.primitives import get_data_scale, rebalance
+from ..lax.base_scaling import as_scale, mul_data
+from ..lax.primitives import get_data_scale, rebalance, scaled_rebalance
 
 Array = Any
 PyTree = Any
@@ -144,6 +147,107 @@ def _rescale_array(x: Array, norm_fn: NormFn, mode: Pow2RoundMode | None, min_sc
     return rebalance(x, _rescale_factor(stat, scale, mode, min_scale))
 
 
+def strided_sample(data: Array, max_size: int | None) -> Array:
+    """At most about ``max_size`` elements of ``data``: a regular grid of strided slices (``None``: all).
+
+    Each axis is sampled with its own stride (the largest axes first), so no reshape is
+    needed and a sharded array stays sharded the same way. The sample is a view XLA fuses
+    into the reduction that consumes it: a statistic of the sample reads only the sampled
+    elements, not the whole tensor.
+    """
+    if max_size is None or data.size <= max_size:
+        return data
+    counts = list(data.shape)
+    while int(np.prod(counts)) > max_size:
+        axis = int(np.argmax(counts))
+        counts[axis] = -(-counts[axis] // 2)
+    strides = tuple(-(-dim // count) if count else 1 for dim, count in zip(data.shape, counts))
+    return jax.lax.slice(data, (0,) * data.ndim, data.shape, strides)
+
+
+def rescale_scaled_array(x: ScaledArray, norm: Norm = "l2", sample_size: int | None = None) -> ScaledArray:
+    """``x`` (a ``ScaledArray`` being evaluated by scalify) with the statistic of its data moved into its scale.
+
+    The form of :func:`dynamic_rescale` that acts on the ``(data, scale)`` pair directly,
+    for the automatic rescales of :class:`jax_scalify.RescalePolicy`: the same statistic,
+    rounding and guards, without a ``jit`` equation around it. With ``sample_size`` the
+    statistic is that of a strided sample of at most about that many elements
+    (:func:`strided_sample`): enough to choose a power of two, at a fraction of the cost of
+    reading the whole tensor. A scale known to be a power of two stays known (the factor is
+    one, unless rounding is ``NONE``).
+    """
+    config = get_scalify_config()
+    data = strided_sample(jax.lax.stop_gradient(x.data), sample_size)
+    stat = _norm_fn(norm)(data.astype(_work_dtype(data.dtype)))
+    scale = as_scale(x.scale)
+    out = scaled_rebalance(x, _rescale_factor(stat, jnp.asarray(scale), config.rounding_mode, None))
+    if config.rounding_mode != Pow2RoundMode.NONE and is_known_pow2(scale):
+        mark_pow2(out.scale)
+    return out
+
+
+def _row_statistics(rows: Array, sizes: np.ndarray, norm: str) -> Array:
+    """Per row: the statistic ``norm`` of its first ``sizes[i]`` elements (zero padding changes none of them)."""
+    magnitudes = jnp.abs(rows)
+    top = jnp.max(magnitudes, axis=1)
+    if norm == "max":
+        return top
+    m = pow2_round_down(top)
+    m = jnp.where(jnp.isfinite(m) & (m > 0), m, jnp.ones_like(m))
+    normed = magnitudes / m[:, None]
+    if norm == "l1":
+        return m * (jnp.sum(normed, axis=1) / sizes)
+    return m * jnp.sqrt(jnp.sum(jnp.square(normed), axis=1) / sizes)
+
+
+def _explicitly_sharded(x: Array) -> bool:
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    return mesh is not None and not mesh.empty and jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
+
+
+def _batch_statistics(samples: list[Array], norm: str, work, stack: bool) -> Array:
+    """The statistic of each sample, as one vector.
+
+    The samples are flattened, zero-padded and stacked into one matrix reduced row by row
+    (two reductions for the whole batch, a few kernels to compile); under explicit sharding,
+    where samples of differently sharded tensors cannot be stacked, or without ``stack``
+    (whole tensors, which stacking would copy), each is reduced on its own.
+    """
+    if not stack or norm not in ("l1", "l2", "max") or any(_explicitly_sharded(d) for d in samples):
+        norm_fn = _norm_fn(norm)
+        return jnp.stack([norm_fn(d.astype(work)) for d in samples])
+    flat = [d.reshape(-1).astype(work) for d in samples]
+    length = max(d.size for d in flat)
+    rows = jnp.stack([jnp.pad(d, (0, length - d.size)) for d in flat])
+    return _row_statistics(rows, np.array([d.size for d in flat], work), norm)
+
+
+def rescale_scaled_arrays(xs: list[ScaledArray], norm: str = "l2", sample_size: int | None = 4096) -> list[ScaledArray]:
+    """:func:`rescale_scaled_array` of several ``ScaledArray`` at once, their statistics computed together.
+
+    The statistics of the (sampled) data are computed together (:func:`_batch_statistics`)
+    and the factors, their inverses and the new scales as vectors: the scalar arithmetic of
+    the batch is a few kernels instead of a few per tensor. ``norm`` is ``"l1"``, ``"l2"``,
+    ``"max"`` or a callable.
+    """
+    if len(xs) < 2:
+        return [rescale_scaled_array(x, norm, sample_size) for x in xs]
+    config = get_scalify_config()
+    samples = [strided_sample(jax.lax.stop_gradient(x.data), sample_size) for x in xs]
+    work = np.float64 if any(np.dtype(d.dtype) == np.float64 for d in samples) else np.float32
+    stats = _batch_statistics(samples, norm, work, stack=sample_size is not None)
+    scales = jnp.stack([jnp.asarray(as_scale(x.scale)) for x in xs])
+    factors = _rescale_factor(stats, scales, config.rounding_mode, None)
+    inverses, new_scales = 1 / factors, scales * factors
+    outs = []
+    for i, x in enumerate(xs):
+        out = ScaledArray(mul_data(x.data, inverses[i]), new_scales[i])
+        if config.rounding_mode != Pow2RoundMode.NONE and is_known_pow2(as_scale(x.scale)):
+            mark_pow2(out.scale)
+        outs.append(out)
+    return outs
+
+
 @functools.partial(jax.jit, static_argnames=("norm_fn", "min_scale", "config"))
 def _rescale_jit(x: Array, norm_fn: NormFn, min_scale: float | None, config: ScalifyConfig) -> Array:
     """One jitted call per leaf: cheap eagerly, one ``jit`` equation in a trace.
@@ -158,7 +262,7 @@ def _rescale_jit(x: Array, norm_fn: NormFn, min_scale: float | None, config: Sca
 def _rescale_leaf(x: Any, norm_fn: NormFn, config: ScalifyConfig, min_scale: float | None) -> Any:
     if isinstance(x, ScaledArray):
         # A ScaledArray outside scalify: rescale its representation eagerly.
-        return scalify(lambda a: _rescale_jit(a, norm_fn, min_scale, config))(x)
+        return scalify(lambda a: _rescale_jit(a, norm_fn, min_scale, config), policy=STATIC_POLICY)(x)
     if not _is_floating_array(x):
         return x
     return _rescale_jit(x, norm_fn, min_scale, config)

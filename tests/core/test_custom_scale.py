@@ -7,6 +7,8 @@ import pytest
 import jax_scalify as jsa
 from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, normal
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 RULE_CALLS = []
 
 
@@ -105,11 +107,11 @@ def test_static_argnums_and_keyword_arguments():
 
 # --- under scalify: the rule ------------------------------------------------------------------
 def test_rule_is_used_under_scalify():
-    out = jsa.scalify(marked)(scaled(X, 3), scaled(W, -2))
+    out = jsa.scalify(marked, policy=STATIC_POLICY)(scaled(X, 3), scaled(W, -2))
     assert isinstance(out["y"], jsa.ScaledArray) and float(out["y"].scale) == 128.0
     np.testing.assert_allclose(out["y"].to_array(), X * W, rtol=1e-6)
     assert int(out["n"]) == int(np.sum(X > 0))
-    out = jax.jit(jsa.scalify(marked))(scaled(X, 3), W)  # an unscaled input is promoted
+    out = jax.jit(jsa.scalify(marked, policy=STATIC_POLICY))(scaled(X, 3), W)  # an unscaled input is promoted
     assert float(out["y"].scale) == 128.0
 
 
@@ -120,7 +122,7 @@ def test_rule_not_used_without_scaled_inputs():
 
 def test_rule_under_scalify_in_float16_out_of_range():
     x = jsa.ScaledArray(jnp.asarray(X, np.float16), jnp.float32(2.0**-30))
-    got = jsa.scalify(gelu)(x)
+    got = jsa.scalify(gelu, policy=STATIC_POLICY)(x)
     assert got.dtype == np.float16 and float(got.scale) == 2.0**-30  # the rule kept x's scale
     expected = jax.nn.gelu(X.astype(np.float64) * 2.0**-30)
     np.testing.assert_allclose(np.asarray(got.to_array(np.float32), np.float64), expected, rtol=2e-3)
@@ -149,7 +151,7 @@ def test_vmap_inside_scalify_uses_rule_with_per_example_scales_rebalanced():
         return jsa.ScaledArray(value / jnp.max(jnp.abs(value)) * 2 / scale, scale / 2)
 
     x = np.stack([X[0], X[1] * 1000.0, X[2] * 1e-3])
-    got = jsa.scalify(jax.vmap(normalize))(scaled(x, 1))
+    got = jsa.scalify(jax.vmap(normalize), policy=STATIC_POLICY)(scaled(x, 1))
     assert_pow2_scales(got)
     expected_scales = np.asarray(jsa.core.pow2_round_down(np.max(np.abs(x), axis=1))) / 2
     assert float(got.scale) == np.max(expected_scales)

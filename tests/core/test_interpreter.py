@@ -8,6 +8,8 @@ import pytest
 import jax_scalify as jsa
 from tests.invariance import assert_pow2_scales
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 X = np.array([1.0, -2.0, 3.0, 0.5], np.float32)
 
 
@@ -37,10 +39,10 @@ def test_plain_inputs_stay_plain():
 @pytest.mark.parametrize(
     "wrap",
     [
-        lambda fn: jax.jit(jsa.scalify(fn)),
-        lambda fn: jsa.scalify(jax.jit(fn)),
-        lambda fn: jax.jit(jsa.scalify(jax.jit(fn))),
-        lambda fn: jsa.scalify(jsa.scalify(fn)),
+        lambda fn: jax.jit(jsa.scalify(fn, policy=STATIC_POLICY)),
+        lambda fn: jsa.scalify(jax.jit(fn), policy=STATIC_POLICY),
+        lambda fn: jax.jit(jsa.scalify(jax.jit(fn), policy=STATIC_POLICY)),
+        lambda fn: jsa.scalify(jsa.scalify(fn, policy=STATIC_POLICY), policy=STATIC_POLICY),
     ],
     ids=["jit_outside", "jit_inside", "jit_both", "idempotent"],
 )
@@ -51,7 +53,7 @@ def test_composes_with_jit_and_itself(wrap):
 
 
 def test_jit_inside_stays_a_jitted_call():
-    jaxpr = jax.make_jaxpr(jsa.scalify(jax.jit(f)))(scaled(X, 4.0), scaled(X, 0.25))
+    jaxpr = jax.make_jaxpr(jsa.scalify(jax.jit(f), policy=STATIC_POLICY))(scaled(X, 4.0), scaled(X, 0.25))
     names = [eqn.primitive.name for eqn in jaxpr.eqns]
     assert names == ["jit"] and jaxpr.eqns[0].params["name"] == "f"
 
@@ -143,12 +145,12 @@ def test_zero_learning_rate_keeps_the_weight_scale():
 
 
 def test_static_arguments_are_baked_in():
-    out = jsa.scalify(lambda a, dtype: a.astype(dtype))(scaled(X, 2.0), jnp.float16)
+    out = jsa.scalify(lambda a, dtype: a.astype(dtype), policy=STATIC_POLICY)(scaled(X, 2.0), jnp.float16)
     assert out.dtype == jnp.float16 and float(out.scale) == 2.0
 
 
 def test_jaxpr_of_scalified_function_is_reusable_under_jit():
-    fn = jax.jit(jsa.scalify(lambda a, b: a @ b))
+    fn = jax.jit(jsa.scalify(lambda a, b: a @ b, policy=STATIC_POLICY))
     a = scaled(np.ones((4, 16)), 2.0)
     b = scaled(np.ones((16, 2)), 0.5)
     out = fn(a, b)

@@ -16,6 +16,8 @@ from jax_scalify.core import known_pow2
 from jax_scalify.core.pow2 import pow2_exponent, pow2_round_down, pow2_round_up
 from tests.invariance import assert_pow2_scales
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 SPECIAL_SCALES = [0.0, np.inf, np.nan, 2.0**-149, 2.0**-127, 2.0**-126, 2.0**-20, 0.5, 1.0, 2.0, 2.0**30, 2.0**127]
 
 
@@ -115,11 +117,11 @@ def test_marks_propagate_through_products_jit_and_scan():
         return h * 3.0 - h
 
     x = jsa.as_scaled_array(jnp.ones((4, 4)))
-    jaxpr = jax.make_jaxpr(jsa.scalify(fn))(x, x).jaxpr
+    jaxpr = jax.make_jaxpr(jsa.scalify(fn, policy=STATIC_POLICY))(x, x).jaxpr
     assert count(jaxpr, "sqrt") == 2  # the first sum, and the first sum in the scan body with the unknown w
     rng = np.random.default_rng(0)
     args = [jsa.as_scaled_array(jnp.asarray(rng.standard_normal((4, 4)), jnp.float32)) for _ in range(2)]
-    got = jsa.scalify(fn)(*args)
+    got = jsa.scalify(fn, policy=STATIC_POLICY)(*args)
     assert_pow2_scales(got)
     np.testing.assert_allclose(np.asarray(got.to_array()), fn(*jsa.asarray(args)), rtol=1e-5, atol=1e-5)
 
@@ -129,7 +131,7 @@ def test_jit_body_bakes_constant_scales():
     inner = jax.jit(lambda v: v * 2.0)
 
     def fn(data):  # the scale is a trace-time constant of the traced function
-        return jsa.scalify(lambda v: inner(v))(jsa.ScaledArray(data, np.float32(4.0)))
+        return jsa.scalify(lambda v: inner(v), policy=STATIC_POLICY)(jsa.ScaledArray(data, np.float32(4.0)))
 
     jaxpr = jax.make_jaxpr(fn)(jnp.ones(3)).jaxpr
     (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "jit"]

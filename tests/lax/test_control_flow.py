@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 from jax.experimental import io_callback
 
@@ -9,6 +10,8 @@ import jax_scalify as jsa
 from jax_scalify.lax import control_flow
 from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, integers, normal, positive
 from tests.invariance import primitive_names as primitives_in
+
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 
 
 # --- programs ----------------------------------------------------------------------------------
@@ -183,7 +186,7 @@ def test_carry_scaled_by_set_scaling_in_a_body_without_scaled_inputs():
     def fn(c0):
         return lax.scan(lambda c, _: (jsa.lax.set_scaling(c * 2.0, 4.0), c), c0, None, length=3)
 
-    c, ys = jsa.scalify(fn)(X4)
+    c, ys = jsa.scalify(fn, policy=STATIC_POLICY)(X4)
     assert isinstance(c, jsa.ScaledArray) and float(c.scale) == 4.0
     assert isinstance(ys, jsa.ScaledArray)
     np.testing.assert_allclose(value(c), X4 * 8, rtol=1e-6)
@@ -194,7 +197,7 @@ def test_scan_ys_with_per_iteration_scales_are_rebalanced_to_the_largest():
     def fn(c0):
         return lax.scan(lambda c, _: (c * 4.0, c), c0, None, length=5)
 
-    c, ys = jsa.scalify(fn)(scaled(X4, -3))
+    c, ys = jsa.scalify(fn, policy=STATIC_POLICY)(scaled(X4, -3))
     assert_pow2_scales((c, ys))
     assert float(c.scale) == 2.0**-3 * 4.0**5  # the factor 4 folds into the carried scale
     assert float(ys.scale) == 2.0**-3 * 4.0**4  # the last (largest) iteration's scale
@@ -204,9 +207,9 @@ def test_scan_ys_with_per_iteration_scales_are_rebalanced_to_the_largest():
 def test_scan_ys_with_a_trace_time_constant_scale_keep_it():
     fn = lambda xs: lax.scan(lambda c, x: (c + 1, x[::-1] * 3.0), 0, xs)[1]  # noqa: E731
     xs = jsa.ScaledArray(jnp.ones((3, 4)), np.float32(4.0))  # a NumPy scale is known at trace time
-    jaxpr = jax.make_jaxpr(lambda data: jsa.scalify(fn)(jsa.ScaledArray(data, xs.scale)))(xs.data)
+    jaxpr = jax.make_jaxpr(lambda data: jsa.scalify(fn, policy=STATIC_POLICY)(jsa.ScaledArray(data, xs.scale)))(xs.data)
     assert "reduce_max" not in str(jaxpr)  # no stacked scales to rebalance
-    ys = jsa.scalify(fn)(xs)
+    ys = jsa.scalify(fn, policy=STATIC_POLICY)(xs)
     assert float(ys.scale) == 16.0  # 3.0 = 0.75 * 4 folds its exponent into the scale
     np.testing.assert_array_equal(value(ys), np.full((3, 4), 12.0))
 
@@ -271,7 +274,7 @@ def test_cond_branches_with_different_scales_give_the_taken_branch_scale():
 
     x = scaled(X4, 10)
     for p, expected_scale in [(True, 2.0**-5), (False, 2.0**10)]:
-        got = jsa.scalify(fn)(p, x)
+        got = jsa.scalify(fn, policy=STATIC_POLICY)(p, x)
         assert float(got.scale) == expected_scale
         np.testing.assert_allclose(value(got), X4, rtol=1e-6)
 
@@ -368,3 +371,76 @@ def test_exponential_integrals_run_with_batched_loops():
     for fn in (jax.scipy.special.expi, jax.scipy.special.exp1, lambda v: jax.scipy.special.expn(2, v)):
         got = jsa.scalify(fn)(jsa.as_scaled_array(x))
         np.testing.assert_allclose(np.asarray(got.to_array()), np.asarray(fn(x)), rtol=2e-6)
+
+
+# --- rescale policy: loop carries ----------------------------------------------------------------
+CARRIES_ONLY = jsa.RescalePolicy(gradients=False, loop_carries=True, outputs=False)
+
+
+def _data_rms(x) -> float:
+    return float(np.sqrt(np.mean(np.square(np.asarray(x.data, np.float64)))))
+
+
+def _scaled(value, exponent):
+    return jsa.ScaledArray(jnp.asarray(value, jnp.float32), jnp.float32(2.0**exponent))
+
+
+def _drifting_scan(w, h0):
+    """Each iteration multiplies the carry by ``w``, whose data are not unit-scaled: the static estimate drifts every step."""
+    return lax.scan(lambda h, _: (h @ w, None), h0, None, length=12)[0]
+
+
+def _drifting_while(w, h0):
+    return lax.fori_loop(0, 12, lambda i, h: h @ w, h0)
+
+
+@pytest.mark.parametrize("loop", [_drifting_scan, _drifting_while], ids=["scan", "fori_loop"])
+def test_loop_carries_are_rescaled_at_every_iteration(loop):
+    rng = np.random.default_rng(3)
+    w = np.linalg.qr(rng.standard_normal((8, 8)))[0].astype(np.float32)  # orthogonal: the value keeps its size
+    h0 = rng.standard_normal((2, 8)).astype(np.float32)
+    args = (_scaled(w, 0), _scaled(h0 * 2.0**4, -4))  # w's data have RMS 8**-0.5, not 1
+    static = jsa.scalify(loop, policy=STATIC_POLICY)(*args)
+    rescaled = jsa.scalify(loop, policy=CARRIES_ONLY)(*args)
+    expected = jax.jit(loop)(w, h0)
+    np.testing.assert_allclose(np.asarray(rescaled.to_array()), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(static.to_array()), expected, rtol=1e-5, atol=1e-6)
+    assert _data_rms(static) < 2.0**-6  # the static carry scale ran away from the value (2**-7.8 here)
+    assert 0.5 <= _data_rms(rescaled) < 2.0
+
+
+def test_transposed_scan_carries_are_rescaled_in_the_backward_pass():
+    """A GRU-like cell: the cotangent carry of the backward scan would grow by a factor per step."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((8, 8)).astype(np.float32) / np.sqrt(8)
+    u = rng.standard_normal((4, 8)).astype(np.float32) / 2
+    h0 = np.zeros((3, 8), np.float32)
+    xs = rng.standard_normal((16, 3, 4)).astype(np.float32)
+
+    def loss(w, u, xs):
+        return jnp.mean(rnn(w, u, h0, xs)[0] ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    args = (_scaled(w / 2.0**8, 8), _scaled(u * 2.0**8, -8), _scaled(xs, 0))
+    expected = jax.jit(grad)(w, u, xs)
+    static = jsa.scalify(grad, policy=STATIC_POLICY)(*args)
+    rescaled = jsa.scalify(grad, policy=CARRIES_ONLY)(*args)
+    for g, e in zip(rescaled, expected):
+        np.testing.assert_allclose(np.asarray(g.to_array()), e, rtol=1e-4, atol=1e-7)
+    assert all(_data_rms(g) > 2.0**-4 for g in rescaled)
+    # Static carries: the cotangent's scale grows every step until its data underflow (0 * inf: nan).
+    assert not all(np.all(np.isfinite(np.asarray(g.to_array()))) and _data_rms(g) > 2.0**-16 for g in static)
+
+
+def test_static_policy_keeps_the_static_loop_carry_scale():
+    """With the static policy the carry scale is the rule's estimate, a pure function of the input scales."""
+    w, h0 = _scaled(np.eye(4) * 0.5, 0), _scaled(np.ones((1, 4)), 0)
+
+    def double(w, h):
+        return lax.fori_loop(0, 3, lambda i, c: (c @ w) * 4.0, h)
+
+    static = jsa.scalify(double, policy=STATIC_POLICY)(w, h0)
+    rescaled = jsa.scalify(double, policy=CARRIES_ONLY)(w, h0)
+    np.testing.assert_array_equal(static.to_array(), rescaled.to_array())
+    assert float(rescaled.scale) == 8.0 and np.all(np.asarray(rescaled.data) == 1.0)  # value 2**3, data 1
+    assert float(static.scale) != float(rescaled.scale)

@@ -8,6 +8,8 @@ import jax_scalify as jsa
 from jax_scalify.lax import get_data_and_scale, get_data_scale, rebalance, set_scaling, stop_scaling
 from tests.invariance import Case
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 X = np.array([1.0, -2.0, 3.0], np.float32)
 
 
@@ -47,10 +49,10 @@ def test_vmap_with_batched_scale_keeps_values():
 
 
 def test_set_scaling_under_scalify():
-    out = jsa.scalify(set_scaling)(jnp.asarray(X), jnp.float32(4.0))
+    out = jsa.scalify(set_scaling, policy=STATIC_POLICY)(jnp.asarray(X), jnp.float32(4.0))
     assert isinstance(out, jsa.ScaledArray) and float(out.scale) == 4.0
     np.testing.assert_array_equal(out.data, X / 4)
-    scaled = jsa.scalify(set_scaling)(jsa.as_scaled_array(X, scale=np.float32(2.0)), jnp.float32(0.25))
+    scaled = jsa.scalify(set_scaling, policy=STATIC_POLICY)(jsa.as_scaled_array(X, scale=np.float32(2.0)), jnp.float32(0.25))
     np.testing.assert_array_equal(scaled.to_array(), X)
 
 
@@ -72,10 +74,10 @@ def test_get_data_scale_under_scalify():
 
 def test_stop_scaling_and_rebalance_under_scalify():
     x = jsa.as_scaled_array(X, scale=np.float32(8.0))
-    value = jsa.scalify(stop_scaling)(x, jnp.float16)
+    value = jsa.scalify(stop_scaling, policy=STATIC_POLICY)(x, jnp.float16)
     assert not isinstance(value, jsa.ScaledArray) and value.dtype == jnp.float16
     np.testing.assert_array_equal(value, X)
-    out = jsa.scalify(rebalance)(x, jnp.float32(4.0))
+    out = jsa.scalify(rebalance, policy=STATIC_POLICY)(x, jnp.float32(4.0))
     assert float(out.scale) == 32.0
     np.testing.assert_array_equal(out.to_array(), X)
 

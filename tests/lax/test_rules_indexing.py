@@ -8,6 +8,8 @@ from jax import lax
 import jax_scalify as jsa
 from tests.invariance import invariance_test, Case, assert_pow2_scales, integers, normal
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 # Five indices into 4 rows: duplicates are likely, so scatter combiners are exercised.
 _ROWS = integers(5, low=0, high=4)
 _OOB = integers(5, low=-2, high=7)  # some out of bounds (negative ones wrap, large ones fill/drop)
@@ -101,7 +103,7 @@ def test_float16_scatter_aligns_far_apart_scales():
 
 def test_dynamic_update_slice_into_zeros_takes_update_scale():
     u = _scaled([[1.0, -2.0]], 12)
-    out = jax.jit(jsa.scalify(lambda b: lax.dynamic_update_slice(jnp.zeros((3, 2)), b, (1, 0))))(u)
+    out = jax.jit(jsa.scalify(lambda b: lax.dynamic_update_slice(jnp.zeros((3, 2)), b, (1, 0)), policy=STATIC_POLICY))(u)
     assert float(out.scale) == 2.0**12
     np.testing.assert_array_equal(out.to_array(), [[0, 0], [2.0**12, -(2.0**13)], [0, 0]])
 
@@ -116,7 +118,7 @@ def test_scatter_add_aligns_to_largest():
 def test_scatter_mul_exact_with_repeated_and_missing_indices():
     """Row 0 is hit twice, row 1 never: the operand's scale is kept, updates applied by value."""
     x, u = _scaled(np.full((3, 2), 1.5), -20), _scaled(np.full((3, 2), 1.25), 3)
-    out = jsa.scalify(lambda a, b: a.at[jnp.array([0, 0, 2])].mul(b))(x, u)
+    out = jsa.scalify(lambda a, b: a.at[jnp.array([0, 0, 2])].mul(b), policy=STATIC_POLICY)(x, u)
     assert float(out.scale) == 2.0**-20
     np.testing.assert_array_equal(_value(out), np.array([[1.5 * 10 * 10], [1.5], [1.5 * 10]]).repeat(2, 1) * 2.0**-20)
 
@@ -124,14 +126,14 @@ def test_scatter_mul_exact_with_repeated_and_missing_indices():
 def test_gather_fill_value_is_a_value():
     x = _scaled(np.ones((2, 3)), -10)
     fn = lambda a: jnp.take(a, jnp.array([2, 5, -9]), axis=1, mode="fill", fill_value=3.0)  # noqa: E731
-    out = jsa.scalify(fn)(x)
+    out = jsa.scalify(fn, policy=STATIC_POLICY)(x)
     assert float(out.scale) == 2.0**-10
     np.testing.assert_array_equal(out.to_array(), [[2.0**-10, 3.0, 3.0]] * 2)
 
 
 def test_sort_payload_keeps_its_own_scale():
     k, v = _scaled([[3.0, -1.0, 2.0]], 30), _scaled([[1.0, 2.0, 3.0]], -30)
-    ks, vs = jsa.scalify(lambda a, b: lax.sort((a, b), num_keys=1))(k, v)
+    ks, vs = jsa.scalify(lambda a, b: lax.sort((a, b), num_keys=1), policy=STATIC_POLICY)(k, v)
     assert float(ks.scale) == 2.0**30 and float(vs.scale) == 2.0**-30
     np.testing.assert_array_equal(ks.data, [[-1.0, 2.0, 3.0]])
     np.testing.assert_array_equal(vs.data, [[2.0, 3.0, 1.0]])
@@ -139,7 +141,7 @@ def test_sort_payload_keeps_its_own_scale():
 
 def test_top_k_indices_plain():
     x = _scaled([[0.5, -3.0, 7.0, 1.0]], 8)
-    values, indices = jsa.scalify(lambda a: lax.top_k(a, 2))(x)
+    values, indices = jsa.scalify(lambda a: lax.top_k(a, 2), policy=STATIC_POLICY)(x)
     assert isinstance(values, jsa.ScaledArray) and not isinstance(indices, jsa.ScaledArray)
     assert float(values.scale) == 2.0**8
     np.testing.assert_array_equal(indices, [[2, 3]])

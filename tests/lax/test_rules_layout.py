@@ -8,6 +8,8 @@ from jax import lax
 import jax_scalify as jsa
 from tests.invariance import invariance_test, Case, assert_pow2_scales, normal
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 _PAD_CONFIG = ((1, 2, 0), (-1, 1, 1))  # edge padding, cropping and interior padding
 
 
@@ -65,7 +67,7 @@ def _value(x) -> np.ndarray:
 )
 def test_float16_tiny_scale_survives(fn):
     x = _tiny_f16()
-    out = jsa.scalify(fn)(x)
+    out = jsa.scalify(fn, policy=STATIC_POLICY)(x)
     assert out.dtype == jnp.float16 and float(out.scale) == 2.0**-40
     expected = fn(jnp.asarray(_value(x), jnp.float64) if jax.config.jax_enable_x64 else x.to_array(jnp.float32))
     np.testing.assert_array_equal(_value(out), np.asarray(expected, np.float64))
@@ -75,7 +77,7 @@ def test_float16_tiny_scale_survives(fn):
 def test_concatenate_different_scales_aligns_to_largest():
     x = jsa.as_scaled_array(np.array([1.0, -1.5], np.float32), scale=np.float32(2.0**-6))
     y = jsa.as_scaled_array(np.array([3.0, 0.25, 8.0], np.float32), scale=np.float32(2.0**4))
-    out = jsa.scalify(lambda a, b: jnp.concatenate([a, b]))(x, y)
+    out = jsa.scalify(lambda a, b: jnp.concatenate([a, b]), policy=STATIC_POLICY)(x, y)
     assert float(out.scale) == 2.0**4
     np.testing.assert_array_equal(out.to_array(), [1.0, -1.5, 3.0, 0.25, 8.0])
     assert_pow2_scales(out)
@@ -88,7 +90,7 @@ def test_concatenate_different_scales_aligns_to_largest():
 )
 def test_pad_with_zero_or_inf_keeps_scale(fn):
     x = _tiny_f16(exponent=30)
-    out = jax.jit(jsa.scalify(fn))(x)
+    out = jax.jit(jsa.scalify(fn, policy=STATIC_POLICY))(x)
     assert float(out.scale) == 2.0**30
     np.testing.assert_array_equal(_value(out), np.asarray(fn(x.to_array(jnp.float32)), np.float64))
 
@@ -96,7 +98,7 @@ def test_pad_with_zero_or_inf_keeps_scale(fn):
 def test_pad_with_nonzero_value_aligns_to_largest():
     """The constant 3.0 = 0.75 * 2**2 has scale 4, larger than the operand's."""
     x = jsa.as_scaled_array(np.ones((2, 2), np.float32), scale=np.float32(2.0**-8))
-    out = jsa.scalify(lambda a: jnp.pad(a, 1, constant_values=3.0))(x)
+    out = jsa.scalify(lambda a: jnp.pad(a, 1, constant_values=3.0), policy=STATIC_POLICY)(x)
     assert float(out.scale) == 4.0
     np.testing.assert_array_equal(out.to_array(), np.pad(np.ones((2, 2), np.float32), 1, constant_values=3.0))
 
@@ -112,7 +114,7 @@ def test_split_keeps_scale():
 def test_broadcast_scalar_constant_recognised_through_layout_ops():
     """`jnp.full(..., 3.0).T.reshape(...)` is still the scalar 3 = 0.75 * 2**2 when it meets x."""
     x = jsa.as_scaled_array(np.ones((2, 3), np.float32), scale=np.float32(2.0**-10))
-    out = jsa.scalify(lambda a: jnp.concatenate([a, jnp.full((3, 2), 3.0).T[::-1, 2:].reshape(2, 1)], axis=1))(x)
+    out = jsa.scalify(lambda a: jnp.concatenate([a, jnp.full((3, 2), 3.0).T[::-1, 2:].reshape(2, 1)], axis=1), policy=STATIC_POLICY)(x)
     assert float(out.scale) == 4.0
     np.testing.assert_array_equal(out.data[:, -1], [0.75, 0.75])
     np.testing.assert_array_equal(out.to_array()[:, -1], [3.0, 3.0])

@@ -8,6 +8,8 @@ from jax import lax
 import jax_scalify as jsa
 from tests.invariance import invariance_test, Case, assert_pow2_scales, integers, normal
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 
 def conv1d(x, w, stride=2):
     return lax.conv_general_dilated(x, w, (stride,), "SAME")  # NCH / OIH
@@ -92,12 +94,12 @@ def test_fp8_operands_reach_dot_general_unchanged(out_dtype, rhs_dtype):
     def f(a, b):
         return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
 
-    jaxpr = jax.make_jaxpr(jsa.scalify(f))(a, b).jaxpr
+    jaxpr = jax.make_jaxpr(jsa.scalify(f, policy=STATIC_POLICY))(a, b).jaxpr
     eqn = _dot_eqn(jaxpr)
     assert [v.aval.dtype for v in eqn.invars] == [jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(rhs_dtype)]
     assert eqn.invars[0] in jaxpr.invars and eqn.invars[1] in jaxpr.invars  # no rescale before the GEMM
     assert eqn.params["preferred_element_type"] == out_dtype
-    out = jsa.scalify(f)(a, b)
+    out = jsa.scalify(f, policy=STATIC_POLICY)(a, b)
     assert out.dtype == out_dtype and float(out.scale) == 2.0**-10 * 2.0**12 * 8
     # Values in float32 by hand: ScaledArray.to_array() does not promote FP8 data (core issue).
     value = lambda x: x.data.astype(jnp.float32) * x.scale
@@ -143,7 +145,7 @@ def test_float16_large_contraction_does_not_overflow():
     # K = 16384 products of 4: the sum 65536 overflows float16; data / r = 512 does not.
     a = scaled(np.full((1, 16384), 2.0), 2.0**30, jnp.float16)
     b = scaled(np.full((16384, 1), 2.0), 2.0**30, jnp.float16)
-    out = jsa.scalify(lambda a, b: a @ b)(a, b)
+    out = jsa.scalify(lambda a, b: a @ b, policy=STATIC_POLICY)(a, b)
     assert out.dtype == jnp.float16 and float(out.scale) == 2.0**67
     assert float(out.to_array(jnp.float32)[0, 0]) == 2.0**76
 
@@ -159,7 +161,7 @@ def test_float16_large_contraction_does_not_overflow():
 )
 def test_rescale_placement(lhs_shape, rhs_shape, dtype, rescaled):
     a, b = scaled(np.ones(lhs_shape), 1.0, dtype), scaled(np.ones(rhs_shape), 1.0, dtype)
-    jaxpr = jax.make_jaxpr(jsa.scalify(lambda a, b: a @ b))(a, b).jaxpr
+    jaxpr = jax.make_jaxpr(jsa.scalify(lambda a, b: a @ b, policy=STATIC_POLICY))(a, b).jaxpr
     eqn = _dot_eqn(jaxpr)
     lhs_direct, rhs_direct = (v in jaxpr.invars for v in eqn.invars)
     out_direct = eqn.outvars[0] in jaxpr.outvars

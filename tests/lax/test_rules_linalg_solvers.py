@@ -21,6 +21,8 @@ from jax_scalify.lax import rules_linalg_solvers
 from tests.invariance import invariance_test, Case, assert_pow2_scales, normal
 from tests.invariance import exact_value as _value, scaled as _scaled
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 N = 4
 
 
@@ -163,24 +165,24 @@ B = _RNG.standard_normal((N, 3)).astype(np.float32)
 def test_factorisations_are_exact_on_the_scale(exponent):
     """The data of each output is bitwise the factorisation of the data; scales are exact."""
     a, s = _scaled(A, exponent), _scaled(S, exponent)
-    q, r = jsa.scalify(jnp.linalg.qr)(a)
+    q, r = jsa.scalify(jnp.linalg.qr, policy=STATIC_POLICY)(a)
     q_d, r_d = jnp.linalg.qr(A)
     assert _scale(q) == 1.0 and _scale(r) == 2.0**exponent
     np.testing.assert_array_equal(q.data, q_d)
     np.testing.assert_array_equal(r.data, r_d)
-    u, sv, vh = jsa.scalify(jnp.linalg.svd)(a)
+    u, sv, vh = jsa.scalify(jnp.linalg.svd, policy=STATIC_POLICY)(a)
     assert (_scale(u), _scale(sv), _scale(vh)) == (1.0, 2.0**exponent, 1.0)
-    v, w = jsa.scalify(lambda m: lax.linalg.eigh(m, symmetrize_input=False))(s)
+    v, w = jsa.scalify(lambda m: lax.linalg.eigh(m, symmetrize_input=False), policy=STATIC_POLICY)(s)
     assert _scale(w) == 2.0**exponent and _scale(v) == 1.0
     np.testing.assert_allclose(_value(w), np.linalg.eigvalsh(S.astype(np.float64)) * 2.0**exponent, rtol=1e-5)
-    chol = jsa.scalify(lambda m: lax.linalg.cholesky(m, symmetrize_input=False))(s)
+    chol = jsa.scalify(lambda m: lax.linalg.cholesky(m, symmetrize_input=False), policy=STATIC_POLICY)(s)
     assert _scale(chol) == 2.0 ** -(-exponent // 2)  # sqrt of the scale rounded up to an even exponent
     np.testing.assert_allclose(_value(chol), np.linalg.cholesky(S.astype(np.float64)) * 2.0 ** (exponent / 2), rtol=1e-5)
 
 
 @pytest.mark.parametrize("exponent", [-40, 0, 40])
 def test_lu_packs_unit_l_and_scaled_u(exponent):
-    lu, pivots, perm = jsa.scalify(lax.linalg.lu)(_scaled(A, exponent))
+    lu, pivots, perm = jsa.scalify(lax.linalg.lu, policy=STATIC_POLICY)(_scaled(A, exponent))
     lu_d, pivots_d, perm_d = lax.linalg.lu(A)
     assert _scale(lu) == 2.0**exponent
     np.testing.assert_array_equal(pivots, pivots_d)
@@ -193,10 +195,10 @@ def test_lu_packs_unit_l_and_scaled_u(exponent):
 @pytest.mark.parametrize("ea, eb", [(-40, 40), (40, -40), (-20, -20), (3, 0)])
 def test_solves_are_exact(ea, eb):
     """solve(A * 2^ea, B * 2^eb) is bitwise solve(A, B) * 2^(eb - ea): values up to 2^80."""
-    x = jsa.scalify(jnp.linalg.solve)(_scaled(A, ea), _scaled(B, eb))
+    x = jsa.scalify(jnp.linalg.solve, policy=STATIC_POLICY)(_scaled(A, ea), _scaled(B, eb))
     assert _scale(x) == 2.0 ** (eb - ea)
     np.testing.assert_array_equal(x.data, jnp.linalg.solve(A, B))
-    t = jsa.scalify(lambda a, b: jsl.solve_triangular(a, b, lower=True))(_scaled(L, ea), _scaled(B, eb))
+    t = jsa.scalify(lambda a, b: jsl.solve_triangular(a, b, lower=True), policy=STATIC_POLICY)(_scaled(L, ea), _scaled(B, eb))
     assert _scale(t) == 2.0 ** (eb - ea)
     np.testing.assert_array_equal(t.data, jsl.solve_triangular(L, B, lower=True))
 
@@ -205,7 +207,7 @@ def test_unit_diagonal_solve_is_not_a_scale_change():
     """With unit_diagonal the diagonal is 1 whatever a's scale: the result keeps b's scale."""
     a, b = _scaled(L, 10), _scaled(B, -5)
     fn = lambda a, b: jsl.solve_triangular(a, b, lower=True, unit_diagonal=True)  # noqa: E731
-    x = jsa.scalify(fn)(a, b)
+    x = jsa.scalify(fn, policy=STATIC_POLICY)(a, b)
     assert _scale(x) == 2.0**-5
     np.testing.assert_allclose(_value(x), fn(a.to_array(), b.to_array()), rtol=1e-5, atol=1e-7)
 
@@ -214,7 +216,7 @@ def test_float16_triangular_solve_outside_float16_range():
     """Values 2^30 and 2^-30 cannot be float16; their data and scales can."""
     a, b = _scaled(L, 30, jnp.float16), _scaled(B, -30, jnp.float16)
     fn = lambda a, b: jsl.solve_triangular(a, b, lower=True)  # noqa: E731
-    x = jsa.scalify(fn)(a, b)
+    x = jsa.scalify(fn, policy=STATIC_POLICY)(a, b)
     assert x.dtype == jnp.float16 and _scale(x) == 2.0**-60
     expected = fn(_value(a), _value(b))
     np.testing.assert_allclose(_value(x), expected, rtol=5e-3, atol=1e-3 * np.max(np.abs(expected)))
@@ -223,7 +225,7 @@ def test_float16_triangular_solve_outside_float16_range():
     # Unit diagonal (the L of an LU): b's scale is kept, a's value is used in float32.
     unit = _scaled(L, 0, jnp.float16)
     fn = lambda a, b: jsl.solve_triangular(a, b, lower=True, unit_diagonal=True)  # noqa: E731
-    x = jsa.scalify(fn)(unit, b)
+    x = jsa.scalify(fn, policy=STATIC_POLICY)(unit, b)
     assert x.dtype == jnp.float16 and _scale(x) == 2.0**-30
     expected = fn(_value(unit), _value(b))
     np.testing.assert_allclose(_value(x), expected, rtol=5e-3, atol=1e-3 * np.max(np.abs(expected)))
@@ -246,12 +248,12 @@ def test_eig_outputs_are_plain_complex():
 
 
 def test_packed_hessenberg_and_tridiagonal_keep_reflectors_unscaled():
-    h, taus = jsa.scalify(lax.linalg.hessenberg)(_scaled(A, 16))
+    h, taus = jsa.scalify(lax.linalg.hessenberg, policy=STATIC_POLICY)(_scaled(A, 16))
     h_d, taus_d = lax.linalg.hessenberg(A)
     assert _scale(h) == 2.0**16 and _scale(taus) == 1.0
     np.testing.assert_array_equal(np.tril(_value(h), -2), np.tril(np.asarray(h_d, np.float64), -2))
     np.testing.assert_array_equal(np.triu(_value(h), -1), np.triu(np.asarray(h_d, np.float64), -1) * 2.0**16)
-    packed, d, e, taus = jsa.scalify(lambda a: lax.linalg.tridiagonal(a, lower=False))(_scaled(S, -16))
+    packed, d, e, taus = jsa.scalify(lambda a: lax.linalg.tridiagonal(a, lower=False), policy=STATIC_POLICY)(_scaled(S, -16))
     _, d_ref, e_ref, _ = lax.linalg.tridiagonal(S, lower=False)
     assert _scale(d) == _scale(e) == 2.0**-16 and _scale(taus) == 1.0
     np.testing.assert_array_equal(_value(d), np.asarray(d_ref, np.float64) * 2.0**-16)

@@ -11,6 +11,8 @@ from jax_scalify.lax import rules_special
 from tests.invariance import invariance_test, Case, assert_pow2_scales, normal, positive
 from tests.invariance import exact_value as _value, scale_of as _scale, scaled as _scaled
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 SHAPE = (3, 4)
 
 
@@ -89,7 +91,7 @@ def test_special_functions_have_unit_scale_and_compute_on_values():
     rng = np.random.default_rng(3)
     a, x = _scaled(rng.uniform(1, 2, SHAPE), 1), _scaled(rng.uniform(1, 2, SHAPE), -1)  # shapes of the cases: compiled once
     for fn in (jss.gammainc, jss.gammaincc):
-        out = jsa.scalify(fn)(a, x)
+        out = jsa.scalify(fn, policy=STATIC_POLICY)(a, x)
         assert isinstance(out, jsa.ScaledArray) and _scale(out) == 1.0
         np.testing.assert_allclose(_value(out), fn(_value(a), _value(x)), rtol=1e-6)
 
@@ -97,11 +99,11 @@ def test_special_functions_have_unit_scale_and_compute_on_values():
 def test_bessel_i1e_keeps_a_small_scale_in_float16():
     """i1e(x) ~ x/2: values 2^-30 are far below float16's range but their scale carries them."""
     x = _scaled([1.0, -1.5, 1.25], -30, jnp.float16)
-    out = jsa.scalify(jss.i1e)(x)
+    out = jsa.scalify(jss.i1e, policy=STATIC_POLICY)(x)
     assert out.dtype == jnp.float16 and _scale(out) == 2.0**-30
     np.testing.assert_allclose(_value(out), _value(x) / 2, rtol=2e-3)
     assert np.all(np.asarray(jss.i1e(x.to_array())) == 0)  # plain float16 underflows
-    i0e = jsa.scalify(jss.i0e)(x)
+    i0e = jsa.scalify(jss.i0e, policy=STATIC_POLICY)(x)
     assert _scale(i0e) == 1.0
     np.testing.assert_allclose(_value(i0e), 1.0, rtol=1e-3)
 
@@ -140,20 +142,20 @@ def test_bitcast_uses_the_value_not_the_data():
 # --- generic reduce --------------------------------------------------------------------------
 def test_reduce_scales():
     big = _scaled(np.random.default_rng(0).uniform(1, 2, (4, 16)), 20)
-    out = jsa.scalify(_reduce_add)(big)
+    out = jsa.scalify(_reduce_add, policy=STATIC_POLICY)(big)
     assert _scale(out) == 2.0**20 * 4  # 16 terms: r = pow2(sqrt(16)) = 4; then + 1.0: pow2(sqrt(2^44 + 1))
     np.testing.assert_allclose(_value(out), _reduce_add(_value(big)), rtol=1e-6)
     x = _scaled(np.random.default_rng(0).uniform(1, 2, (4, 16)), -20)
-    out = jsa.scalify(_reduce_add)(x)
+    out = jsa.scalify(_reduce_add, policy=STATIC_POLICY)(x)
     assert _scale(out) == 1.0  # the init 1.0 dominates
     np.testing.assert_allclose(_value(out), _reduce_add(_value(x)), rtol=1e-6)
-    hi, lo = jsa.scalify(_reduce_max_min)(x)
+    hi, lo = jsa.scalify(_reduce_max_min, policy=STATIC_POLICY)(x)
     assert _scale(hi) == _scale(lo) == 2.0**-20  # -inf / inf inits adopt the operand's scale
     np.testing.assert_array_equal(_value(hi), np.max(_value(x), axis=0))
-    values, idx = jsa.scalify(_reduce_argmax)(x)
+    values, idx = jsa.scalify(_reduce_argmax, policy=STATIC_POLICY)(x)
     assert _scale(values) == 2.0**-20 and not isinstance(idx, jsa.ScaledArray)
     np.testing.assert_array_equal(idx, np.argmax(_value(x), axis=1))
-    prod = jsa.scalify(_reduce_mul)(_scaled(np.full((2, 3), 1.5), 0))
+    prod = jsa.scalify(_reduce_mul, policy=STATIC_POLICY)(_scaled(np.full((2, 3), 1.5), 0))
     assert _scale(prod) == 1.0
     np.testing.assert_allclose(_value(prod), 2 * 1.5**3)
 
@@ -161,7 +163,7 @@ def test_reduce_scales():
 def test_reduce_with_a_float_constant_in_the_computation_works_on_values():
     fn = lambda x: lax.reduce(x, np.float32(0.0), lambda a, b: jnp.maximum(a, b) + 0.5, (0,))  # noqa: E731
     x = _scaled([[1.0, 1.5], [1.25, 1.75]], 4)
-    out = jsa.scalify(fn)(x)
+    out = jsa.scalify(fn, policy=STATIC_POLICY)(x)
     assert _scale(out) == 1.0
     np.testing.assert_allclose(_value(out), fn(jnp.asarray(_value(x), jnp.float32)), rtol=1e-6)
 

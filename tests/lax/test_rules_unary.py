@@ -10,6 +10,8 @@ from jax_scalify.lax import rules_unary
 from tests.invariance import invariance_test, Case, assert_pow2_scales, normal, positive
 from tests.invariance import exact_value as _value, scale_of as _scale
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 SHAPE = (3, 4)
 
 
@@ -160,7 +162,7 @@ def test_roots_are_exact_on_the_scale(exponent):
     x = _scaled([1.0, 1.5, 3.0, 0.25], exponent, jnp.float32)
     roots = [(jnp.sqrt, np.sqrt, 2, 1), (lax.rsqrt, lambda v: 1 / np.sqrt(v), 2, -1), (jnp.cbrt, np.cbrt, 3, 1)]
     for fn, ref, n, sign in roots:
-        out = jsa.scalify(fn)(x)
+        out = jsa.scalify(fn, policy=STATIC_POLICY)(x)
         assert _scale(out) == 2.0 ** (sign * -(-exponent // n)), (fn, exponent)
         np.testing.assert_allclose(_value(out), ref(_value(x)), rtol=1e-6)
 
@@ -168,23 +170,23 @@ def test_roots_are_exact_on_the_scale(exponent):
 def test_roots_without_rounding_take_the_root_of_the_scale():
     x = _scaled([1.0, 4.0], 3, jnp.float32)
     with jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.NONE):
-        out = jsa.scalify(jnp.sqrt)(x)
+        out = jsa.scalify(jnp.sqrt, policy=STATIC_POLICY)(x)
     np.testing.assert_allclose(_scale(out), np.sqrt(8.0), rtol=1e-7)
     np.testing.assert_allclose(_value(out), np.sqrt([8.0, 32.0]), rtol=1e-6)
 
 
 def test_roots_of_traced_scales_under_jit():
     x = _scaled([1.0, 1.5], -9, jnp.float16)
-    out = jax.jit(jsa.scalify(lambda a: (jnp.sqrt(a), lax.rsqrt(a), jnp.cbrt(a))))(x)
+    out = jax.jit(jsa.scalify(lambda a: (jnp.sqrt(a), lax.rsqrt(a), jnp.cbrt(a)), policy=STATIC_POLICY))(x)
     assert [_scale(o) for o in out] == [2.0**-4, 2.0**4, 2.0**-3]
     np.testing.assert_allclose(_value(out[0]), np.sqrt(_value(x)), rtol=1e-3)
 
 
 def test_powers_are_exact_on_the_scale():
     x = _scaled([1.5, -1.25], -40)
-    assert _scale(jsa.scalify(lax.square)(x)) == 2.0**-80
-    assert _scale(jsa.scalify(lambda a: a**3)(x)) == 2.0**-120
-    assert _scale(jsa.scalify(lambda a: lax.integer_pow(a, -2))(x)) == 2.0**80
+    assert _scale(jsa.scalify(lax.square, policy=STATIC_POLICY)(x)) == 2.0**-80
+    assert _scale(jsa.scalify(lambda a: a**3, policy=STATIC_POLICY)(x)) == 2.0**-120
+    assert _scale(jsa.scalify(lambda a: lax.integer_pow(a, -2), policy=STATIC_POLICY)(x)) == 2.0**80
 
 
 def test_log_of_large_data_and_small_scale_is_accurate():
@@ -205,13 +207,13 @@ def test_special_values():
 def test_output_scales_of_value_maps():
     small, large = _f16(-30, seed=2), _f16(20, seed=3)
     for fn in (jnp.tanh, jnp.sin, jnp.arctan, jax.scipy.special.erf, jnp.expm1):
-        assert _scale(jsa.scalify(fn)(small)) == 2.0**-30  # f(x) ~ x near 0: keep a small scale
-        assert _scale(jsa.scalify(fn)(large)) == 1.0
+        assert _scale(jsa.scalify(fn, policy=STATIC_POLICY)(small)) == 2.0**-30  # f(x) ~ x near 0: keep a small scale
+        assert _scale(jsa.scalify(fn, policy=STATIC_POLICY)(large)) == 1.0
     for fn in (jnp.floor, jnp.ceil, jnp.round):
-        assert _scale(jsa.scalify(fn)(small)) == 1.0
-        assert _scale(jsa.scalify(fn)(large)) == 2.0**20  # integers keep a large scale
+        assert _scale(jsa.scalify(fn, policy=STATIC_POLICY)(small)) == 1.0
+        assert _scale(jsa.scalify(fn, policy=STATIC_POLICY)(large)) == 2.0**20  # integers keep a large scale
     for fn in (jnp.exp, jnp.cos, jax.nn.sigmoid, jnp.log):
-        assert _scale(jsa.scalify(fn)(small)) == 1.0
+        assert _scale(jsa.scalify(fn, policy=STATIC_POLICY)(small)) == 1.0
 
 
 def test_plain_outputs():

@@ -14,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 import jax_scalify as jsa
 from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, normal
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 N = 8
 pytestmark = pytest.mark.skipif(jax.device_count() < N, reason=f"needs {N} devices (tests/conftest.py sets them)")
 
@@ -110,7 +112,7 @@ def scaled(x, scale, dtype=jnp.float32):
 def test_psum_unit_scaling():
     """A psum over 8 devices of unit-scale blocks: scale * pow2(sqrt(8)) = 2, data / 2."""
     x = scaled(np.full((16, 3), 2.0**-3), 2.0**-3)  # data 1
-    out = jsa.scalify(smap(P("x"), P())(lambda v: jax.lax.psum(v, "x")))(x)
+    out = jsa.scalify(smap(P("x"), P())(lambda v: jax.lax.psum(v, "x")), policy=STATIC_POLICY)(x)
     assert float(out.scale) == 2.0**-3 * 2
     np.testing.assert_array_equal(np.asarray(out.data), np.full((2, 3), 4.0))
     np.testing.assert_array_equal(np.asarray(out.to_array()), np.full((2, 3), 1.0))
@@ -337,3 +339,31 @@ def test_scaled_shardings_for_jit_in_and_out_shardings():
         jsa.scaled_shardings(tree, {"w": specs["w"]})
     with pytest.raises(TypeError, match="NamedSharding"):
         jsa.scaled_shardings(tree, {"w": P("x"), "step": None})
+
+
+@pytest.mark.parametrize(
+    "axis_type, specs",
+    [
+        (AxisType.Auto, {"w1": P("x", None), "b1": P(), "w2": P("x", None)}),  # FSDP: parameters sharded
+        (AxisType.Explicit, {"w1": P(), "b1": P(), "w2": P()}),  # data parallel, sharding in types
+    ],
+    ids=["auto_fsdp", "explicit_data_parallel"],
+)
+def test_default_rescale_policy_under_sharding(axis_type, specs):
+    """Gradients and outputs rescaled by the default policy with the batch (and parameters) sharded on 8 devices."""
+    mesh = jax.make_mesh((N,), ("x",), axis_types=(axis_type,))
+    params, x, y = _mlp_problem(np.random.default_rng(2))
+    scaled_in = (_scaled_put(params, mesh, specs), *_scaled_put((x, y), mesh, (P("x"), P("x"))))
+    step = jax.jit(jsa.scalify(sgd_step))
+    got = step(*scaled_in)
+    assert_close_values(got, sgd_step(params, x, y), rtol=1e-5, atol=1e-6)
+    plain = jax.jit(sgd_step)(_put(params, mesh, specs), *_put((x, y), mesh, (P("x"), P("x"))))
+    for new, expected in zip(jax.tree.leaves(got[1], is_leaf=jsa.is_scaled_leaf), jax.tree.leaves(plain[1])):
+        # The weights keep the plain step's sharding (GSPMD may shard the small bias differently).
+        assert new.data.ndim == 1 or new.data.sharding.is_equivalent_to(expected.sharding, new.data.ndim)
+        assert new.scale.sharding.is_fully_replicated
+        assert 0.5 <= float(np.sqrt(np.mean(np.square(np.asarray(new.data))))) < 2.0
+    hlo = step.lower(*scaled_in).compile().as_text()
+    static_hlo = jax.jit(jsa.scalify(sgd_step, policy=jsa.RescalePolicy.static())).lower(*scaled_in).compile().as_text()
+    # The statistics add a few all-reduces (XLA combines many of them), not one per tensor.
+    assert hlo.count("all-reduce(") <= static_hlo.count("all-reduce(") + 6

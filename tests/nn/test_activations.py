@@ -8,6 +8,8 @@ import jax_scalify as jsa
 from jax_scalify import nn
 from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, normal
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 E4M3 = jnp.float8_e4m3fn
 
 INVARIANCE_CASES = [
@@ -74,19 +76,19 @@ def test_functions_are_custom_scale_calls():
 @pytest.mark.parametrize("exponent", [-12, 0, 7])
 def test_near_identity_maps_keep_the_input_scale(name, exponent):
     ours, ref = PAIRS[name]
-    out = jsa.scalify(ours)(scaled(X, exponent))
+    out = jsa.scalify(ours, policy=STATIC_POLICY)(scaled(X, exponent))
     assert float(out.scale) == 2.0**exponent
     np.testing.assert_allclose(out.to_array(), ref(X), rtol=1e-6, atol=1e-6 * 2.0**exponent)
 
 
 def test_relu_rule_is_exact():
-    out = jsa.scalify(nn.relu)(scaled(X, -3, np.float16))
+    out = jsa.scalify(nn.relu, policy=STATIC_POLICY)(scaled(X, -3, np.float16))
     np.testing.assert_array_equal(out.data, jnp.maximum(jnp.asarray(X * 8, np.float16), 0))
 
 
 @pytest.mark.parametrize("axis, n", [(-1, 6), (0, 4), ((0, 1), 24), (None, 24)])
 def test_softmax_output_scale_is_one_over_n(axis, n):
-    out = jsa.scalify(lambda x: nn.softmax(x, axis))(scaled(X, 5))
+    out = jsa.scalify(lambda x: nn.softmax(x, axis), policy=STATIC_POLICY)(scaled(X, 5))
     k = 2 ** int(np.floor(np.log2(n)))
     assert float(out.scale) == 1.0 / k
     np.testing.assert_allclose(out.to_array(), jax.nn.softmax(X, axis), rtol=1e-6, atol=1e-7)
@@ -98,10 +100,10 @@ def test_softmax_output_scale_is_one_over_n(axis, n):
 
 def test_softmax_scale_capped_by_the_data_dtype():
     x = np.random.default_rng(2).standard_normal((2, 1024)).astype(np.float32)
-    out = jsa.scalify(nn.softmax)(scaled(x, 0, E4M3))
+    out = jsa.scalify(nn.softmax, policy=STATIC_POLICY)(scaled(x, 0, E4M3))
     assert out.dtype == E4M3 and float(out.scale) == 1 / 256  # 256: E4M3's largest power of two
     assert np.all(np.isfinite(np.asarray(out.data, np.float32)))
-    out16 = jsa.scalify(nn.softmax)(scaled(x, 0, np.float16))
+    out16 = jsa.scalify(nn.softmax, policy=STATIC_POLICY)(scaled(x, 0, np.float16))
     assert float(out16.scale) == 1 / 1024
 
 
@@ -110,7 +112,7 @@ def test_log_softmax_and_logsumexp_scale_is_max_of_input_scale_and_one(exponent,
     x = scaled(X, exponent)
     value = X
     for fn, ref in [(nn.log_softmax, jax.nn.log_softmax), (nn.logsumexp, jax.nn.logsumexp)]:
-        out = jsa.scalify(fn)(x)
+        out = jsa.scalify(fn, policy=STATIC_POLICY)(x)
         assert float(out.scale) == 2.0**out_exponent
         np.testing.assert_allclose(out.to_array(), ref(value), rtol=1e-6, atol=1e-6)
 

@@ -8,6 +8,8 @@ import jax_scalify as jsa
 from jax_scalify import nn
 from tests.invariance import invariance_test, Case, assert_pow2_scales, normal
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 INVARIANCE_CASES = [
     # Weighted so that the gradient of the sum is not identically zero.
     Case("nn_layer_norm", lambda x, w: nn.layer_norm(x) * w, [normal(4, 6), normal(4, 6)], grad=True),
@@ -77,7 +79,7 @@ def test_normalised_data_have_unit_rms_and_scale_one(dtype, exponent):
         (nn.layer_norm, lambda v: (v - v.mean(-1, keepdims=True)) / np.sqrt(v.var(-1, keepdims=True) + 1e-5)),
         (nn.rms_norm, lambda v: v / np.sqrt(np.mean(v**2, -1, keepdims=True) + 1e-6)),
     ]:
-        out = jsa.scalify(fn)(scaled(value, exponent, dtype))
+        out = jsa.scalify(fn, policy=STATIC_POLICY)(scaled(value, exponent, dtype))
         assert out.dtype == dtype
         expected = ref(np.asarray(scaled(value, exponent, dtype).data, np.float64) * 2.0**exponent)
         rms = row_rms(out.data)
@@ -118,7 +120,7 @@ def test_layer_norm_grad_rescale_rescales_the_input_gradient():
     x = scaled(X * 2.0**-12, -12, np.float16)
 
     def grad_of(layer):
-        return jsa.scalify(jax.grad(lambda a: jnp.sum((layer(a, GAIN) * X).astype(jnp.float32))))(x)
+        return jsa.scalify(jax.grad(lambda a: jnp.sum((layer(a, GAIN) * X).astype(jnp.float32))), policy=STATIC_POLICY)(x)
 
     plain, rescaled = grad_of(nn.layer_norm), grad_of(nn.layer_norm_grad_rescale)
     expected = plain.to_array(np.float32)

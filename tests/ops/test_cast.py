@@ -7,6 +7,8 @@ import jax_scalify as jsa
 from jax_scalify import ops
 from tests.invariance import assert_pow2_scales
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 X = jnp.array([1.1, -3.3, 0.2, 17.0], jnp.float32)
 
@@ -84,9 +86,9 @@ def test_bad_arguments():
 
 def test_casts_under_scalify_keep_scale():
     sx = jsa.ScaledArray(X, jnp.float32(2.0**-20))
-    y = jsa.scalify(lambda a: ops.cast_on_forward(a, jnp.float16))(sx)
+    y = jsa.scalify(lambda a: ops.cast_on_forward(a, jnp.float16), policy=STATIC_POLICY)(sx)
     assert y.dtype == jnp.float16 and float(y.scale) == 2.0**-20
-    y = jsa.scalify(lambda a: ops.reduce_precision_on_forward(a, E4M3))(sx)
+    y = jsa.scalify(lambda a: ops.reduce_precision_on_forward(a, E4M3), policy=STATIC_POLICY)(sx)
     assert float(y.scale) == 2.0**-20
     np.testing.assert_array_equal(np.asarray(y.data), np.asarray(X.astype(E4M3).astype(jnp.float32)))
     assert_pow2_scales(y)

@@ -10,6 +10,8 @@ import jax_scalify as jsa
 from jax_scalify import ops
 from tests.invariance import assert_pow2_scales
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 RNG = np.random.default_rng(0)
 
 
@@ -25,7 +27,7 @@ def tree_of(rng):
 @pytest.fixture(scope="module")
 def step():
     @functools.partial(jax.jit, static_argnames="norm")
-    @jsa.scalify
+    @jsa.scalify(policy=STATIC_POLICY)
     def fn(tree, state, norm):
         delayed, state = ops.delayed_rescale(tree, state, norm)
         return delayed, state, ops.dynamic_rescale(tree, norm)

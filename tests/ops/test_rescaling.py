@@ -7,6 +7,8 @@ import jax_scalify as jsa
 from jax_scalify import ops
 from tests.invariance import assert_pow2_scales
 
+STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+
 RESCALES = {"l1": ops.dynamic_rescale_l1, "l2": ops.dynamic_rescale_l2, "max": ops.dynamic_rescale_max}
 GRAD_RESCALES = {"l1": ops.dynamic_rescale_l1_grad, "l2": ops.dynamic_rescale_l2_grad, "max": ops.dynamic_rescale_max_grad}
 STATS = {
@@ -34,7 +36,7 @@ def test_value_noop_outside_scalify(norm):
 def test_rescales_data_under_scalify(norm):
     x = _x()
     sx = jsa.ScaledArray(x / 4, jnp.float32(4.0))
-    out = jsa.scalify(RESCALES[norm])(sx)
+    out = jsa.scalify(RESCALES[norm], policy=STATIC_POLICY)(sx)
     assert_pow2_scales(out)
     np.testing.assert_allclose(np.asarray(out.to_array()), np.asarray(x), rtol=1e-6)
     # Rounded down (default mode): the statistic of the new data lies in [1, 2).
@@ -45,16 +47,16 @@ def test_rescales_data_under_scalify(norm):
 
 def test_rounding_mode_up():
     x = _x()
-    out = jsa.scalify(lambda a: ops.dynamic_rescale_l2(a, rounding_mode=jsa.Pow2RoundMode.UP))(jsa.as_scaled_array(x))
+    out = jsa.scalify(lambda a: ops.dynamic_rescale_l2(a, rounding_mode=jsa.Pow2RoundMode.UP), policy=STATIC_POLICY)(jsa.as_scaled_array(x))
     assert 0.5 < STATS["l2"](np.asarray(out.data)) <= 1.0
     with jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.UP):
-        out = jsa.scalify(ops.dynamic_rescale_max)(jsa.as_scaled_array(x))
+        out = jsa.scalify(ops.dynamic_rescale_max, policy=STATIC_POLICY)(jsa.as_scaled_array(x))
     assert 0.5 < STATS["max"](np.asarray(out.data)) <= 1.0
 
 
 def test_custom_norm_callable_and_unknown_norm():
     x = _x()
-    out = jsa.scalify(lambda a: ops.dynamic_rescale(a, norm=lambda d: jnp.float32(8.0)))(jsa.ScaledArray(x, jnp.float32(1.0)))
+    out = jsa.scalify(lambda a: ops.dynamic_rescale(a, norm=lambda d: jnp.float32(8.0)), policy=STATIC_POLICY)(jsa.ScaledArray(x, jnp.float32(1.0)))
     assert float(out.scale) == 8.0
     np.testing.assert_allclose(np.asarray(out.data), np.asarray(x) / 8)
     with pytest.raises(ValueError, match="'l1', 'l2', 'max'"):
@@ -79,13 +81,13 @@ def test_zero_and_non_finite_leave_x_unchanged(norm):
 
 def test_floor_keeps_scale_from_collapsing():
     tiny = jsa.ScaledArray(jnp.full((4,), 2.0**-40, jnp.float32), jnp.float32(2.0**-100))
-    out = jsa.scalify(ops.dynamic_rescale_max)(tiny)
+    out = jsa.scalify(ops.dynamic_rescale_max, policy=STATIC_POLICY)(tiny)
     # 2**-140 would be a float32 subnormal scale: it stops at the smallest normal.
     assert float(out.scale) == 2.0**-126
     np.testing.assert_array_equal(np.asarray(out.data), np.full((4,), 2.0**-14, np.float32))
-    out = jsa.scalify(lambda a: ops.dynamic_rescale_max(a, min_scale=2.0**-110))(tiny)
+    out = jsa.scalify(lambda a: ops.dynamic_rescale_max(a, min_scale=2.0**-110), policy=STATIC_POLICY)(tiny)
     assert float(out.scale) == 2.0**-110
-    out = jsa.scalify(lambda a: ops.dynamic_rescale_max(a, min_scale=0.75 * 2.0**-110))(tiny)
+    out = jsa.scalify(lambda a: ops.dynamic_rescale_max(a, min_scale=0.75 * 2.0**-110), policy=STATIC_POLICY)(tiny)
     assert float(out.scale) == 2.0**-110  # rounded up to a power of two
     with pytest.raises(ValueError, match="min_scale"):
         ops.dynamic_rescale_max(tiny.data, min_scale=0.0)
@@ -172,13 +174,13 @@ def test_grad_variant_rescales_cotangent_under_scalify(norm):
     x = _x()
     w = _x(scale=1e-3, shape=x.shape)
     grad_fn = jax.grad(lambda a, b: jnp.sum(GRAD_RESCALES[norm](a) * b))
-    g = jsa.scalify(grad_fn)(x, w)  # plain inputs: only the cotangent gets a scale
+    g = jsa.scalify(grad_fn, policy=STATIC_POLICY)(x, w)  # plain inputs: only the cotangent gets a scale
     assert isinstance(g, jsa.ScaledArray)
     assert_pow2_scales(g)
     np.testing.assert_allclose(np.asarray(g.to_array()), np.asarray(w), rtol=1e-6)
     assert 1.0 <= STATS[norm](np.asarray(g.data)) < 2.0
     # The forward is untouched: the primal output of the function stays plain.
-    y = jsa.scalify(GRAD_RESCALES[norm])(x)
+    y = jsa.scalify(GRAD_RESCALES[norm], policy=STATIC_POLICY)(x)
     assert not isinstance(y, jsa.ScaledArray)
 
 

@@ -1,0 +1,242 @@
+"""Rescale policy: where ``scalify`` moves a statistic of the data into the scale by itself.
+
+The scale rules propagate scales statically: each output scale is a function of the input
+scales, chosen as if the inputs were unit-scaled and independent. In a training step that
+assumption fails in a few predictable places, and the static scales drift from the data:
+
+- the gradients the step computes: a backward pass multiplies many estimates, and its
+  scales come out orders of magnitude above the values (data near underflow), which then
+  inflate every sum they enter (the sum scale is about the larger operand scale);
+- loop carries (``scan``, ``while``, ``fori_loop``): the same body estimate compounds at
+  every iteration (a scale growing by a constant factor per step of an RNN);
+- the values a step returns as the next step's state (parameters, optimizer moments): a
+  static scale never follows the value down (``b1 * m + (1 - b1) * g`` keeps ``m``'s scale
+  while ``m`` decays), so the drift accumulates over steps.
+
+At these points a :class:`RescalePolicy` rescales dynamically: the root mean square (or
+another statistic) of the data is rounded to a power of two and moved into the scale.
+Multiplying by powers of two is exact, so values are unchanged (float32 invariance holds
+under every policy); only the representation moves back to unit size.
+
+Everything else stays static: the rules are not changed, and manual rescales
+(``jsa.ops.dynamic_rescale*``) compose with any policy.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+from jax.extend import source_info_util
+from jax.extend.core import Jaxpr, Var
+
+from .array import ScaledArray, is_floating_dtype
+from .promotion import is_any_scale
+
+_NORMS = ("l1", "l2", "max")
+
+
+@dataclasses.dataclass(frozen=True)
+class RescalePolicy:
+    """Where ``jsa.scalify`` inserts dynamic rescales by itself (see the module docstring).
+
+    Args:
+        gradients: rescale the gradients the step computes: every value defined in the
+            backward pass (an equation whose name stack holds ``transpose(``, as those of
+            ``jax.grad``/``jax.vjp`` do) that leaves it, i.e. is used by a forward equation
+            (e.g. the optimizer update) or returned. One rescale per gradient tensor, right
+            where it is defined; the backward pass itself stays static.
+        loop_carries: rescale the scaled carries of ``scan`` and ``while`` bodies at every
+            iteration (this includes the transposed scans of a backward pass).
+        outputs: rescale the floating scaled outputs of the scalified function (the state
+            handed to the next step). Outputs already rescaled as gradients are not
+            rescaled twice.
+        norm: the statistic moved into the scale: ``"l2"`` (root mean square, the
+            default), ``"l1"`` (mean absolute value) or ``"max"`` (maximum absolute value).
+            It is rounded to a power of two with the configured rounding mode.
+        sample_size: the statistic is computed on a strided sample of at most about this
+            many elements of each tensor (every axis sampled with a regular stride);
+            ``None`` reads the whole tensor. A power of two only needs the order of
+            magnitude, and reading every gradient and every state tensor once more would
+            cost several passes over the model per step; the sample costs next to nothing.
+            A sample that is all zeros (e.g. a sparse gradient) leaves the scale unchanged.
+
+    ``RescalePolicy()`` (all on, RMS) is the default of ``jsa.scalify``;
+    :meth:`RescalePolicy.static` is the paper's pure static propagation (no automatic
+    rescale). Values are the same under every policy; only the data/scale split differs.
+    """
+
+    gradients: bool = True
+    loop_carries: bool = True
+    outputs: bool = True
+    norm: str = "l2"
+    sample_size: int | None = 4096
+
+    def __post_init__(self):
+        for field in ("gradients", "loop_carries", "outputs"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"RescalePolicy.{field} must be True or False, got {getattr(self, field)!r}.")
+        if self.norm not in _NORMS:
+            raise ValueError(f"RescalePolicy.norm must be one of {_NORMS}, got {self.norm!r}.")
+        size = self.sample_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"RescalePolicy.sample_size must be a positive int or None, got {size!r}.")
+
+    @classmethod
+    def static(cls) -> "RescalePolicy":
+        """The paper's pure static propagation: no automatic rescale anywhere."""
+        return cls(gradients=False, loop_carries=False, outputs=False)
+
+    @property
+    def is_static(self) -> bool:
+        return not (self.gradients or self.loop_carries or self.outputs)
+
+
+DEFAULT_POLICY = RescalePolicy()
+STATIC_POLICY = RescalePolicy.static()
+
+
+def check_policy(policy: RescalePolicy | None) -> RescalePolicy:
+    """``policy`` checked (``None`` is the default policy)."""
+    if policy is None:
+        return DEFAULT_POLICY
+    if not isinstance(policy, RescalePolicy):
+        raise TypeError(
+            f"scalify: policy must be a jsa.RescalePolicy or None, got {policy!r}. "
+            "Use jsa.RescalePolicy() (default) or jsa.RescalePolicy.static()."
+        )
+    return policy
+
+
+class _PolicyState(threading.local):
+    def __init__(self):
+        self.stack: list[tuple[RescalePolicy, dict[int, Any]]] = []
+
+
+_state = _PolicyState()
+
+
+@contextlib.contextmanager
+def applying(policy: RescalePolicy) -> Iterator[None]:
+    """The policy the interpreter and the control-flow rules apply while ``scalify`` evaluates."""
+    _state.stack.append((policy, {}))
+    try:
+        yield
+    finally:
+        _state.stack.pop()
+
+
+def active_policy() -> RescalePolicy:
+    """The policy of the innermost ``scalify`` being evaluated (static outside any)."""
+    return _state.stack[-1][0] if _state.stack else STATIC_POLICY
+
+
+def _rescaled_by_policy() -> dict[int, Any]:
+    return _state.stack[-1][1] if _state.stack else {}
+
+
+def is_rescalable(x: Any) -> bool:
+    """A floating, non-empty ``ScaledArray`` with a scalar scale that is not any-scale (0/inf)."""
+    return (
+        isinstance(x, ScaledArray)
+        and not is_any_scale(x)
+        and is_floating_dtype(x.dtype)
+        and np.ndim(x.scale) == 0
+        and np.size(x.data) > 0
+    )
+
+
+def rescale(x: Any, policy: RescalePolicy | None = None) -> Any:
+    """``x`` dynamically rescaled with the policy's statistic (non-rescalable values unchanged).
+
+    The rescale itself is :func:`jax_scalify.ops.rescaling.rescale_scaled_array` (imported
+    lazily: the core does not depend on the ops layer at import time).
+    """
+    if not is_rescalable(x):
+        return x
+    from ..ops.rescaling import rescale_scaled_array
+
+    policy = policy or active_policy()
+    out = rescale_scaled_array(x, policy.norm, policy.sample_size)
+    _rescaled_by_policy()[id(out)] = out  # kept alive, so the id is not reused
+    return out
+
+
+def rescale_all(values: Sequence[Any], policy: RescalePolicy | None = None) -> list:
+    """``values`` with the rescalable ones rescaled together (one batch of statistics), others unchanged.
+
+    See :func:`jax_scalify.ops.rescaling.rescale_scaled_arrays`.
+    """
+    values = list(values)
+    where = [i for i, x in enumerate(values) if is_rescalable(x)]
+    if not where:
+        return values
+    from ..ops.rescaling import rescale_scaled_arrays
+
+    policy = policy or active_policy()
+    outs = rescale_scaled_arrays([values[i] for i in where], policy.norm, policy.sample_size)
+    for i, out in zip(where, outs):
+        values[i] = out
+        _rescaled_by_policy()[id(out)] = out
+    return values
+
+
+def was_rescaled(x: Any) -> bool:
+    """True if ``x`` is the result of a policy rescale of the current ``scalify`` evaluation."""
+    return _rescaled_by_policy().get(id(x)) is x
+
+
+def rescale_loop_carries(carries: Sequence[Any]) -> list:
+    """The carries of one loop iteration, rescaled if the active policy says so."""
+    if not active_policy().loop_carries:
+        return list(carries)
+    return rescale_all(carries)
+
+
+# --- gradients: the values leaving the backward pass ------------------------------------------
+def _is_backward_stack(name_stack: Any) -> bool:
+    return "transpose(" in str(name_stack)
+
+
+def in_backward_pass() -> bool:
+    """True while evaluating equations of a transposed (backward) computation."""
+    return _is_backward_stack(source_info_util.current_name_stack())
+
+
+@functools.lru_cache(maxsize=4096)
+def gradient_boundary(jaxpr: Jaxpr) -> frozenset:
+    """Variables defined by a backward equation and used by a forward one or returned.
+
+    Backward equations are those whose name stack holds ``transpose(``; the jaxpr is
+    assumed to be evaluated outside any backward pass (its returned values are then used
+    by forward code).
+    """
+    backward = [_is_backward_stack(e.source_info.name_stack) for e in jaxpr.eqns]
+    defined_backward = {v for e, b in zip(jaxpr.eqns, backward) if b for v in e.outvars if type(v) is Var}
+    if not defined_backward:
+        return frozenset()
+    leaving = {v for v in jaxpr.outvars if isinstance(v, Var) and v in defined_backward}
+    for eqn, is_bwd in zip(jaxpr.eqns, backward):
+        if not is_bwd:
+            leaving.update(v for v in eqn.invars if isinstance(v, Var) and v in defined_backward)
+    return frozenset(leaving)
+
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "RescalePolicy",
+    "STATIC_POLICY",
+    "active_policy",
+    "applying",
+    "check_policy",
+    "gradient_boundary",
+    "in_backward_pass",
+    "is_rescalable",
+    "rescale",
+    "rescale_all",
+    "rescale_loop_carries",
+    "was_rescaled",
+]

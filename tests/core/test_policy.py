@@ -1,0 +1,160 @@
+"""The rescale policy of ``scalify``: where it rescales by itself, and that values never change."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_scalify as jsa
+from jax_scalify.core import policy as policy_module
+from tests.invariance import exact_value, scaled
+
+STATIC = jsa.RescalePolicy.static()
+RNG = np.random.default_rng(0)
+W = RNG.standard_normal((3, 8, 8)).astype(np.float32) / np.sqrt(8)
+X = RNG.standard_normal((4, 8)).astype(np.float32)
+
+
+def data_rms(x: jsa.ScaledArray) -> float:
+    return float(np.sqrt(np.mean(np.square(np.asarray(x.data, np.float64)))))
+
+
+def mlp_loss(ws, x):
+    for w in ws:
+        x = jnp.tanh(x @ w)
+    return jnp.sum(x**2)
+
+
+def sgd_step(ws, x):
+    loss, grads = jax.value_and_grad(mlp_loss)(ws, x)
+    return loss, grads, ws - 0.1 * grads
+
+
+# --- the policy object -----------------------------------------------------------------------
+def test_default_and_static_presets():
+    default = jsa.RescalePolicy()
+    assert default.gradients and default.loop_carries and default.outputs and default.norm == "l2"
+    assert not default.is_static
+    assert STATIC.is_static and not (STATIC.gradients or STATIC.loop_carries or STATIC.outputs)
+    assert jsa.RescalePolicy is jsa.core.RescalePolicy
+
+
+def test_bad_policy_arguments_are_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="norm must be one of"):
+        jsa.RescalePolicy(norm="l3")
+    with pytest.raises(TypeError, match="True or False"):
+        jsa.RescalePolicy(outputs=1)
+    with pytest.raises(TypeError, match="jsa.RescalePolicy"):
+        jsa.scalify(jnp.sin, policy="static")
+    with pytest.raises(TypeError, match="expects a function"):
+        jsa.scalify(STATIC)
+
+
+def test_scalify_as_a_decorator_with_a_policy():
+    @jsa.scalify(policy=STATIC)
+    def double(x):
+        return x * 2.0
+
+    out = double(scaled(X[0], 3))
+    assert float(out.scale) == 2.0**4  # static: the multiplication rule's scale, no rescale
+    np.testing.assert_array_equal(exact_value(out), 2 * X[0] * 2.0**3)
+
+
+# --- outputs ---------------------------------------------------------------------------------
+def test_static_policy_keeps_the_rule_scale_and_default_rescales_outputs():
+    x, w = scaled(X, 5), scaled(W[0], -2)
+    static = jsa.scalify(jnp.matmul, policy=STATIC)(x, w)
+    default = jsa.scalify(jnp.matmul)(x, w)
+    assert float(static.scale) == 2.0**4  # the matmul rule: 2**5 * 2**-2 * pow2(sqrt(8)), a function of input scales
+    np.testing.assert_array_equal(exact_value(static), exact_value(default))
+    assert 1.0 <= data_rms(default) < 2.0  # RMS rounded down to a power of two moved into the scale
+
+
+@pytest.mark.parametrize("norm, stat", [("max", np.max), ("l1", np.mean)])
+def test_policy_norm_selects_the_statistic(norm, stat):
+    out = jsa.scalify(lambda a: a * 3.0, policy=jsa.RescalePolicy(norm=norm))(scaled(X, 7))
+    assert 1.0 <= float(stat(np.abs(np.asarray(out.data)))) < 2.0
+    np.testing.assert_allclose(exact_value(out), 3 * X * 2.0**7, rtol=1e-6)
+
+
+def test_integer_and_any_scale_outputs_are_left_alone():
+    def fn(x):
+        return jnp.argmax(x, axis=-1), jnp.zeros_like(x)
+
+    idx, zeros = jsa.scalify(fn)(scaled(X, 4))
+    assert not isinstance(idx, jsa.ScaledArray)
+    assert jsa.core.is_any_scale(zeros) or not isinstance(zeros, jsa.ScaledArray) or float(zeros.scale) in (0.0, 1.0)
+
+
+# --- gradients -------------------------------------------------------------------------------
+def test_gradient_boundary_is_the_values_leaving_the_backward_pass():
+    closed = jax.make_jaxpr(sgd_step)(W, X)
+    boundary = policy_module.gradient_boundary(closed.jaxpr)
+    loss, grads, _ = closed.jaxpr.outvars
+    assert grads in boundary and loss not in boundary
+    definers = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
+    assert all("transpose(" in str(definers[v].source_info.name_stack) for v in boundary)
+    assert len(boundary) == 1  # the gradient, used by the update and returned; nothing inside the backward pass
+
+
+def test_gradients_are_rescaled_once_in_one_batch_after_the_backward_pass(monkeypatch):
+    from jax_scalify.ops import rescaling
+
+    batches = []
+    original = rescaling.rescale_scaled_arrays
+    monkeypatch.setattr(
+        rescaling, "rescale_scaled_arrays", lambda xs, *a: batches.append([x.shape for x in xs]) or original(xs, *a)
+    )
+    ws, x = scaled(W * 2.0**-8, 8), scaled(X * 2.0**8, -8)
+
+    def step(ws, x):
+        loss, (gw, gx) = jax.value_and_grad(mlp_loss, argnums=(0, 1))(ws, x)
+        return ws - 0.1 * gw, x - 0.1 * gx
+
+    new_ws, new_x = jsa.scalify(step, policy=jsa.RescalePolicy(loop_carries=False, outputs=False))(ws, x)
+    assert [sorted(b) for b in batches] == [sorted([W.shape, X.shape])]  # both gradients, together, before the update uses them
+    batches.clear()
+    _, grads, _ = jsa.scalify(sgd_step)(ws, x)
+    assert batches == [[W.shape], [(), W.shape]]  # the gradient; then the loss and new weights (grads not twice)
+    assert 0.5 <= data_rms(grads) < 2.0
+
+
+def test_gradient_scales_follow_the_values_with_inputs_off_by_2_pow_8():
+    ws, x = scaled(W * 2.0**-8, 8), scaled(X * 2.0**8, -8)
+    _, static_grads, _ = jsa.scalify(sgd_step, policy=STATIC)(ws, x)
+    _, grads, new_ws = jsa.scalify(sgd_step)(ws, x)
+    np.testing.assert_array_equal(exact_value(grads), exact_value(static_grads))
+    assert data_rms(static_grads) < 2.0**-6  # the static estimate is far above the value
+    assert 0.5 <= data_rms(grads) < 2.0 and 0.5 <= data_rms(new_ws) < 2.0
+    expected = jax.jit(sgd_step)(W, X)
+    np.testing.assert_allclose(exact_value(new_ws), expected[2], rtol=1e-5, atol=1e-6)
+
+
+def test_manual_rescales_compose_with_the_default_policy():
+    def step(ws, x):
+        loss, grads = jax.value_and_grad(lambda w, a: mlp_loss(w, jsa.ops.dynamic_rescale_l2_grad(a)))(ws, x)
+        return loss, jsa.ops.dynamic_rescale_max(grads)
+
+    ws, x = scaled(W * 2.0**-3, 3), scaled(X * 2.0**-2, 2)
+    loss, grads = jsa.scalify(step)(ws, x)
+    exp_loss, exp_grads = jax.jit(step)(W, X)
+    np.testing.assert_allclose(exact_value(grads), exp_grads, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(exact_value(loss), exp_loss, rtol=1e-6)
+
+
+def test_policy_is_active_only_while_scalify_evaluates():
+    seen = []
+    with jsa.core.observe_equations(lambda *_: seen.append(policy_module.active_policy())):
+        jsa.scalify(lambda a: a * 2.0, policy=jsa.RescalePolicy(norm="max"))(scaled(X, 1))
+    assert seen and all(p.norm == "max" for p in seen)
+    assert policy_module.active_policy() is policy_module.STATIC_POLICY
+
+
+@pytest.mark.parametrize("policy", [STATIC, jsa.RescalePolicy()], ids=["static", "default"])
+def test_float32_invariance_holds_under_every_policy(policy):
+    ws, x = scaled(W * 2.0**-8, 8), scaled(X * 2.0**8, -8)
+    got = jax.jit(jsa.scalify(sgd_step, policy=policy))(ws, x)
+    expected = jax.jit(sgd_step)(W, X)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(exact_value(g), e, rtol=1e-5, atol=1e-7)
