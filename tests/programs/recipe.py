@@ -4,10 +4,11 @@ This is the only module of the suite that knows the library's API for low precis
 programs are written without scalify in mind, and the harness calls these functions. When
 the recommended recipe changes (an optimizer-state wrapper, a rescale policy), change it here.
 
-Today's recipe is the README's: every floating leaf of the training state (parameters and
-optimizer state) becomes a ``ScaledArray`` with float16 data (``jsa.as_scaled_array`` then
+The recipe is the README's: the optimizer is wrapped with ``jsa.optim.scale_state`` (its
+state stored in float16 with scales, updated in float32), every floating leaf of the
+parameters becomes a ``ScaledArray`` with float16 data (``jsa.as_scaled_array`` then
 ``jsa.tree.astype``), so do the floating inputs of each batch, and the step runs as
-``jit(jsa.scalify(step))``.
+``jit(jsa.scalify(step))`` with scalify's default rescale policy.
 """
 from __future__ import annotations
 
@@ -30,14 +31,13 @@ def is_floating_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """The optimizer as the scaled FP16 and FP8 runs use it (today: unchanged).
+def optimizer(tx: optax.GradientTransformation, dtype=FP16) -> optax.GradientTransformation:
+    """The optimizer as the scaled runs use it: its state stored in ``dtype`` with scales.
 
-    The programs call ``tx.init`` on their float32 parameters, then :func:`scale_state`
-    converts the whole state; an optimizer wrapper whose ``init`` returns ``ScaledArray``
-    leaves keeps them, since :func:`scale_state` leaves ``ScaledArray`` leaves alone.
+    ``jsa.optim.scale_state`` keeps ``tx`` and its hyperparameters unchanged; its ``init``
+    returns ``ScaledArray`` leaves, which :func:`scale_state` leaves alone.
     """
-    return tx
+    return jsa.optim.scale_state(tx, dtype)
 
 
 def scale_state(state: Any, dtype=FP16) -> Any:
