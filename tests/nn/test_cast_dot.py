@@ -246,3 +246,47 @@ def test_nnx_linear_einsum_and_linear_general_train_in_fp8():
         return lambda params, x, y: mse(nnx.merge(graph, params)(x), y)
 
     check_fp8_training(make_loss, params)
+
+
+# --- Equinox: eqx.nn.Linear has no dot_general hook; a small module and eqx.tree_at ------------
+eqx = pytest.importorskip("equinox")
+
+
+class FP8Linear(eqx.Module):
+    """``eqx.nn.Linear``'s computation (``weight[out, in] @ x[in] + bias``) on a cast ``dot_general``."""
+
+    weight: jax.Array
+    bias: jax.Array | None
+    dot_general: nn.CastDotGeneral  # not an array: eqx.filter(..., eqx.is_inexact_array) leaves it out
+
+    def __call__(self, x, *, key=None):
+        y = self.dot_general(self.weight, x, (((1,), (0,)), ((), ())))
+        return y if self.bias is None else y + self.bias
+
+
+def with_cast_linears(model, dot_general):
+    """``model`` with every ``eqx.nn.Linear`` replaced by an :class:`FP8Linear` of the same parameters."""
+    is_linear = lambda node: isinstance(node, eqx.nn.Linear)  # noqa: E731
+
+    def linears(tree):
+        return [node for node in jax.tree.leaves(tree, is_leaf=is_linear) if is_linear(node)]
+
+    return eqx.tree_at(linears, model, [FP8Linear(m.weight, m.bias, dot_general) for m in linears(model)])
+
+
+def test_equinox_mlp_with_cast_linears_trains_in_fp8():
+    mlp = eqx.nn.MLP(8, 2, 16, depth=2, activation=jsa.nn.gelu, key=jax.random.PRNGKey(0))
+    fp8_mlp = with_cast_linears(mlp, nn.cast_dot_general())
+    assert [type(layer) for layer in fp8_mlp.layers] == [FP8Linear] * 3
+    uncast = with_cast_linears(mlp, nn.cast_dot_general(None, None))
+    x = X.reshape(-1, 8)
+    np.testing.assert_allclose(jax.vmap(uncast)(x), jax.vmap(mlp)(x), rtol=1e-6, atol=1e-6)
+
+    # The dot_general is not an array: the parameters are the same pytree whichever it is.
+    params = eqx.filter(with_cast_linears(mlp, lax.dot_general), eqx.is_inexact_array)
+
+    def make_loss(dot_general):
+        static = eqx.filter(with_cast_linears(mlp, dot_general), eqx.is_inexact_array, inverse=True)
+        return lambda params, x, y: mse(jax.vmap(jax.vmap(eqx.combine(params, static)))(x), y)
+
+    check_fp8_training(make_loss, params)
