@@ -31,7 +31,8 @@ def as_float_dtype(caller: str, name: str, dtype: DTypeLike) -> DType:
     try:
         dtype = np.dtype(dtype)
     except TypeError as error:
-        raise TypeError(f"{caller}: {name} must be a floating dtype (e.g. jnp.float8_e4m3fn), got {dtype!r}.") from error
+        message = f"{caller}: {name} must be a floating dtype (e.g. jnp.float8_e4m3fn), got {dtype!r}."
+        raise TypeError(message) from error
     if not is_floating_dtype(dtype):
         raise TypeError(f"{caller}: {name} must be a floating dtype (e.g. jnp.float8_e4m3fn), got {dtype}.")
     return dtype

@@ -24,6 +24,8 @@ DIMS = [
     ("km,kn->mn", (6, 3), (6, 5), (((0,), (0,)), ((), ()))),
     # A batch axis in the middle of lhs, two contracting axes listed out of order on both sides.
     ("mixed", (4, 3, 5, 2), (5, 2, 6, 3), (((3, 1), (1, 3)), ((2,), (0,)))),
+    # Two batch axes, listed out of order on lhs; free axes before the batch axes on rhs.
+    ("two_batch", (3, 4, 2, 5), (6, 2, 5, 3), (((3,), (2,)), ((2, 0), (1, 3)))),
 ]
 
 INVARIANCE_CASES = [
@@ -252,7 +254,7 @@ def test_nnx_linear_einsum_and_linear_general_train_in_fp8():
 eqx = pytest.importorskip("equinox")
 
 
-class FP8Linear(eqx.Module):
+class CastLinear(eqx.Module):
     """``eqx.nn.Linear``'s computation (``weight[out, in] @ x[in] + bias``) on a cast ``dot_general``."""
 
     weight: jax.Array
@@ -265,19 +267,19 @@ class FP8Linear(eqx.Module):
 
 
 def with_cast_linears(model, dot_general):
-    """``model`` with every ``eqx.nn.Linear`` replaced by an :class:`FP8Linear` of the same parameters."""
+    """``model`` with every ``eqx.nn.Linear`` replaced by a :class:`CastLinear` of the same parameters."""
     is_linear = lambda node: isinstance(node, eqx.nn.Linear)  # noqa: E731
 
     def linears(tree):
         return [node for node in jax.tree.leaves(tree, is_leaf=is_linear) if is_linear(node)]
 
-    return eqx.tree_at(linears, model, [FP8Linear(m.weight, m.bias, dot_general) for m in linears(model)])
+    return eqx.tree_at(linears, model, [CastLinear(m.weight, m.bias, dot_general) for m in linears(model)])
 
 
 def test_equinox_mlp_with_cast_linears_trains_in_fp8():
     mlp = eqx.nn.MLP(8, 2, 16, depth=2, activation=jsa.nn.gelu, key=jax.random.PRNGKey(0))
     fp8_mlp = with_cast_linears(mlp, nn.cast_dot_general())
-    assert [type(layer) for layer in fp8_mlp.layers] == [FP8Linear] * 3
+    assert [type(layer) for layer in fp8_mlp.layers] == [CastLinear] * 3
     uncast = with_cast_linears(mlp, nn.cast_dot_general(None, None))
     x = X.reshape(-1, 8)
     np.testing.assert_allclose(jax.vmap(uncast)(x), jax.vmap(mlp)(x), rtol=1e-6, atol=1e-6)
