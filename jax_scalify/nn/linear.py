@@ -1,72 +1,24 @@
-"""A linear layer with separate forward and backward formats (FP8 E4M3 forward, E5M2 gradients)."""
+"""A linear layer with separate forward and backward formats (FP8 E4M3 forward, E5M2 gradients).
+
+Its matmul is :func:`jax_scalify.nn.dot_general`'s, on ``x[..., K] @ w[K, N]``.
+"""
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ..core.array import is_floating_dtype
+from .cast_dot import as_float_dtype, cast_matmul
 
 Array = Any
 DTypeLike = Any
-DType = np.dtype | None
-
-
-def _as_dtype(name: str, dtype: DTypeLike) -> DType:
-    if dtype is None:
-        return None
-    dtype = np.dtype(dtype)
-    if not is_floating_dtype(dtype):
-        raise TypeError(f"jsa.nn.linear: {name} must be a floating dtype (e.g. jnp.float8_e4m3fn), got {dtype}.")
-    return dtype
-
-
-def _cast(x: Array, dtype: DType) -> Array:
-    return x if dtype is None else lax.convert_element_type(x, dtype)
 
 
 def _forward_dims(x_ndim: int) -> Any:
     """``x[..., K] @ w[K, N]``."""
     return ((x_ndim - 1,), (0,)), ((), ())
-
-
-def _grad_x_dims(g_ndim: int) -> Any:
-    """``g[..., N] @ w[K, N]^T -> [..., K]``."""
-    return ((g_ndim - 1,), (1,)), ((), ())
-
-
-def _grad_w_dims(x_ndim: int) -> Any:
-    """``x[..., K]^T @ g[..., N] -> [K, N]``: contract every leading (batch) axis."""
-    lead = tuple(range(x_ndim - 1))
-    return (lead, lead), ((), ())
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _matmul(x: Array, w: Array, fwd: DType, bwd: DType, acc: np.dtype, x_dtype: np.dtype, w_dtype: np.dtype) -> Array:
-    """``x @ w`` with ``x`` and ``w`` cast to ``fwd``, accumulated in ``acc``, output in ``x_dtype``."""
-    return _matmul_fwd(x, w, fwd, bwd, acc, x_dtype, w_dtype)[0]
-
-
-def _matmul_fwd(x, w, fwd, bwd, acc, x_dtype, w_dtype):
-    xq, wq = _cast(x, fwd), _cast(w, fwd)
-    y = lax.dot_general(xq, wq, _forward_dims(xq.ndim), preferred_element_type=acc)
-    # The residuals are the cast operands: the backward matmuls use them as they are.
-    return y.astype(x_dtype), (xq, wq)
-
-
-def _matmul_bwd(fwd, bwd, acc, x_dtype, w_dtype, residuals, g):
-    xq, wq = residuals
-    gq = _cast(g, bwd)
-    grad_x = lax.dot_general(gq, wq, _grad_x_dims(gq.ndim), preferred_element_type=acc)
-    grad_w = lax.dot_general(xq, gq, _grad_w_dims(xq.ndim), preferred_element_type=acc)
-    return grad_x.astype(x_dtype), grad_w.astype(w_dtype)
-
-
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def linear(
@@ -103,15 +55,18 @@ def linear(
     ``dot_general`` returns the operand's dtype). Gradients are straight-through for the
     casts. ``b``'s gradient is the sum of the uncast cotangent.
 
+    It is :func:`jax_scalify.nn.dot_general` on ``x[..., K] @ w[K, N]``, with the output in
+    ``x``'s dtype and float32 accumulation by default.
+
     Scale rule: none of its own; under ``scalify`` the casts keep the scale and the matmuls
     use the ``dot_general`` rule (``s = sx * sw * r``, ``r = pow2(sqrt(K))``, the ``1/r``
     applied to the float32 accumulator since FP8 operands have no range to spare), so FP8
     operands are unit-scaled before the cast, the point of scale propagation. Without
     casts it is ``x @ w + b`` exactly.
     """
-    fwd = _as_dtype("fwd_dtype", fwd_dtype)
-    bwd = _as_dtype("bwd_dtype", bwd_dtype)
-    acc = _as_dtype("preferred_element_type", preferred_element_type) or np.dtype(np.float32)
+    fwd = as_float_dtype("jsa.nn.linear", "fwd_dtype", fwd_dtype)
+    bwd = as_float_dtype("jsa.nn.linear", "bwd_dtype", bwd_dtype)
+    acc = as_float_dtype("jsa.nn.linear", "preferred_element_type", preferred_element_type) or np.dtype(np.float32)
     x_dtype, w_dtype = np.dtype(jnp.result_type(x)), np.dtype(jnp.result_type(w))
     if not (is_floating_dtype(x_dtype) and is_floating_dtype(w_dtype)):
         raise TypeError(f"jsa.nn.linear expects floating x and w, got {x_dtype} and {w_dtype}.")
@@ -120,7 +75,8 @@ def linear(
             f"jsa.nn.linear expects x of shape (..., K) and w of shape (K, N), got {list(jnp.shape(x))} "
             f"and {list(jnp.shape(w))}."
         )
-    y = _matmul(jnp.asarray(x), jnp.asarray(w), fwd, bwd, acc, x_dtype, w_dtype)
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    y = cast_matmul(x, w, _forward_dims(x.ndim), None, fwd, bwd, acc, x_dtype, x_dtype, w_dtype, None)
     if b is not None:
         y = (y + b).astype(x_dtype)
     return y

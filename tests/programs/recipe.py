@@ -69,17 +69,6 @@ def value(x: Any) -> Any:
     return jsa.asarray(x)
 
 
-def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **_):
-    """A ``dot_general`` for ``flax`` ``Dense``/``Linear`` layers running ``jsa.nn.linear``'s FP8 recipe.
-
-    The library has no FP8 ``dot_general`` of its own, so this adapts the documented FP8 path
-    (``jsa.nn.linear(x, w, fwd_dtype=E4M3, bwd_dtype=E5M2)``) to the signature that
-    ``nn.Dense(dot_general=...)`` and ``nnx.Linear(dot_general=...)`` call: ``x[..., K] @ w[K, N]``.
-    """
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-    if jnp.ndim(rhs) != 2 or tuple(lhs_contract) != (jnp.ndim(lhs) - 1,) or tuple(rhs_contract) != (0,) or lhs_batch or rhs_batch:
-        raise NotImplementedError(
-            f"fp8_dot_general handles x[..., K] @ w[K, N] only (a Dense layer), got dimension numbers {dimension_numbers} "
-            f"for shapes {jnp.shape(lhs)} and {jnp.shape(rhs)}."
-        )
-    return jsa.nn.linear(lhs, rhs, **FP8_LINEAR)
+# The ``dot_general`` that the Flax programs give their ``Dense``/``Linear`` layers for the FP8
+# runs: ``jsa.nn.linear``'s recipe (E4M3 operands, E5M2 gradients) for any dimension numbers.
+fp8_dot_general = jsa.nn.cast_dot_general(fwd_dtype=E4M3, bwd_dtype=E5M2)
