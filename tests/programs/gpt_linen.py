@@ -30,7 +30,9 @@ class CausalSelfAttention(nn.Module):
     def __call__(self, x):
         batch, length, width = x.shape
         head = width // self.num_heads
-        qkv = nn.Dense(3 * width, dot_general=self.dot_general, name="qkv")(x)
+        # No bias: a key bias shifts every score of a query by the same amount, which softmax
+        # ignores, so its exact gradient is 0 and Adam would turn round-off into +-lr steps.
+        qkv = nn.Dense(3 * width, use_bias=False, dot_general=self.dot_general, name="qkv")(x)
         q, k, v = jnp.split(qkv.reshape(batch, length, 3 * self.num_heads, head), 3, axis=2)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head).astype(x.dtype)
         mask = nn.make_causal_mask(jnp.ones((batch, length)), dtype=bool)
