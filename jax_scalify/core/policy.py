@@ -201,6 +201,11 @@ def _is_backward_stack(name_stack: Any) -> bool:
     return "transpose(" in str(name_stack)
 
 
+def is_backward_equation(eqn: Any) -> bool:
+    """True for an equation of a transposed computation (its own name stack holds ``transpose(``)."""
+    return _is_backward_stack(eqn.source_info.name_stack)
+
+
 def in_backward_pass() -> bool:
     """True while evaluating equations of a transposed (backward) computation."""
     return _is_backward_stack(source_info_util.current_name_stack())
@@ -214,7 +219,7 @@ def gradient_boundary(jaxpr: Jaxpr) -> frozenset:
     assumed to be evaluated outside any backward pass (its returned values are then used
     by forward code).
     """
-    backward = [_is_backward_stack(e.source_info.name_stack) for e in jaxpr.eqns]
+    backward = [is_backward_equation(e) for e in jaxpr.eqns]
     defined_backward = {v for e, b in zip(jaxpr.eqns, backward) if b for v in e.outvars if type(v) is Var}
     if not defined_backward:
         return frozenset()
@@ -234,6 +239,7 @@ __all__ = [
     "check_policy",
     "gradient_boundary",
     "in_backward_pass",
+    "is_backward_equation",
     "is_rescalable",
     "rescale",
     "rescale_all",
