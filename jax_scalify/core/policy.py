@@ -47,13 +47,14 @@ class RescalePolicy:
         gradients: rescale the gradients the step computes: every value defined in the
             backward pass (an equation whose name stack holds ``transpose(``, as those of
             ``jax.grad``/``jax.vjp`` do) that leaves it, i.e. is used by a forward equation
-            (e.g. the optimizer update) or returned. One rescale per gradient tensor, right
-            where it is defined; the backward pass itself stays static.
+            (e.g. the optimizer update) or returned. One rescale per gradient tensor, all
+            of them together once the backward pass is done (before the first forward use
+            of any); the backward pass itself stays static.
         loop_carries: rescale the scaled carries of ``scan`` and ``while`` bodies at every
             iteration (this includes the transposed scans of a backward pass).
         outputs: rescale the floating scaled outputs of the scalified function (the state
-            handed to the next step). Outputs already rescaled as gradients are not
-            rescaled twice.
+            handed to the next step), together. Outputs already rescaled as gradients are
+            not rescaled twice.
         norm: the statistic moved into the scale: ``"l2"`` (root mean square, the
             default), ``"l1"`` (mean absolute value) or ``"max"`` (maximum absolute value).
             It is rounded to a power of two with the configured rounding mode.
