@@ -8,6 +8,10 @@ Evaluation is equation by equation (design section 4):
    (see :mod:`jax_scalify.core.promotion`);
 3. no rule: ``NotImplementedError`` naming the primitive, inputs and user source line.
 
+The rescale policy (:mod:`jax_scalify.core.policy`) adds dynamic rescales at a few points:
+the gradients leaving the backward pass (rescaled together before their first use by a
+forward equation), and the outputs of ``scalify``; loop carries are the control-flow rules'.
+
 Nothing here knows about individual primitives: the rules, including those of call and
 control-flow primitives, live in :mod:`jax_scalify.lax` and are looked up in the registry.
 """
@@ -367,8 +371,6 @@ def eval_scaled_jaxpr(
     for v, a, s in zip(jaxpr.invars, args, arg_scalars):
         write(v, a, s)
     gradients = _gradients_to_rescale(jaxpr)
-
-
     pending: list[Var] = []  # gradients defined, to rescale together before their first forward use
 
     def rescale_pending():
@@ -377,7 +379,8 @@ def eval_scaled_jaxpr(
         pending.clear()
 
     for eqn in jaxpr.eqns:
-        if pending and any(isinstance(v, Var) and v in gradients for v in eqn.invars) and not _is_backward(eqn):
+        uses_gradient = pending and any(isinstance(v, Var) and v in gradients for v in eqn.invars)
+        if uses_gradient and not rescale_policy.is_backward_equation(eqn):
             rescale_pending()
         invals = [read(v) for v in eqn.invars]
         in_scalars = [read_scalar(v) for v in eqn.invars]
@@ -393,10 +396,6 @@ def eval_scaled_jaxpr(
     if pending:
         rescale_pending()
     return [read(v) for v in jaxpr.outvars]
-
-
-def _is_backward(eqn: JaxprEqn) -> bool:
-    return "transpose(" in str(eqn.source_info.name_stack)
 
 
 def _gradients_to_rescale(jaxpr: Jaxpr) -> frozenset:

@@ -47,13 +47,14 @@ class RescalePolicy:
         gradients: rescale the gradients the step computes: every value defined in the
             backward pass (an equation whose name stack holds ``transpose(``, as those of
             ``jax.grad``/``jax.vjp`` do) that leaves it, i.e. is used by a forward equation
-            (e.g. the optimizer update) or returned. One rescale per gradient tensor, right
-            where it is defined; the backward pass itself stays static.
+            (e.g. the optimizer update) or returned. One rescale per gradient tensor, all
+            of them together once the backward pass is done (before the first forward use
+            of any); the backward pass itself stays static.
         loop_carries: rescale the scaled carries of ``scan`` and ``while`` bodies at every
             iteration (this includes the transposed scans of a backward pass).
         outputs: rescale the floating scaled outputs of the scalified function (the state
-            handed to the next step). Outputs already rescaled as gradients are not
-            rescaled twice.
+            handed to the next step), together. Outputs already rescaled as gradients are
+            not rescaled twice.
         norm: the statistic moved into the scale: ``"l2"`` (root mean square, the
             default), ``"l1"`` (mean absolute value) or ``"max"`` (maximum absolute value).
             It is rounded to a power of two with the configured rounding mode.
@@ -201,6 +202,11 @@ def _is_backward_stack(name_stack: Any) -> bool:
     return "transpose(" in str(name_stack)
 
 
+def is_backward_equation(eqn: Any) -> bool:
+    """True for an equation of a transposed computation (its own name stack holds ``transpose(``)."""
+    return _is_backward_stack(eqn.source_info.name_stack)
+
+
 def in_backward_pass() -> bool:
     """True while evaluating equations of a transposed (backward) computation."""
     return _is_backward_stack(source_info_util.current_name_stack())
@@ -214,7 +220,7 @@ def gradient_boundary(jaxpr: Jaxpr) -> frozenset:
     assumed to be evaluated outside any backward pass (its returned values are then used
     by forward code).
     """
-    backward = [_is_backward_stack(e.source_info.name_stack) for e in jaxpr.eqns]
+    backward = [is_backward_equation(e) for e in jaxpr.eqns]
     defined_backward = {v for e, b in zip(jaxpr.eqns, backward) if b for v in e.outvars if type(v) is Var}
     if not defined_backward:
         return frozenset()
@@ -234,6 +240,7 @@ __all__ = [
     "check_policy",
     "gradient_boundary",
     "in_backward_pass",
+    "is_backward_equation",
     "is_rescalable",
     "rescale",
     "rescale_all",
