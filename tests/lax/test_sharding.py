@@ -304,8 +304,9 @@ def test_reshard_fsdp_step_on_an_explicit_mesh():
 def test_reshard_rule_keeps_the_scale_and_moves_the_data():
     with jax.set_mesh(EXPLICIT):
         x = jsa.device_put(scaled(np.arange(16.0).reshape(8, 2), 2.0**-4), NamedSharding(EXPLICIT, P("d")))
-        out = jax.jit(jsa.scalify(lambda v: jax.sharding.reshard(v, P(None, None))))(x)
-        jaxpr = jax.make_jaxpr(jsa.scalify(lambda v: jax.sharding.reshard(v, P())))(x)
+        rule = jsa.scalify(lambda v: jax.sharding.reshard(v, P(None, None)), policy=jsa.RescalePolicy.static())
+        out = jax.jit(rule)(x)
+        jaxpr = jax.make_jaxpr(jsa.scalify(lambda v: jax.sharding.reshard(v, P()), policy=jsa.RescalePolicy.static()))(x)
     assert out.data.sharding.spec == P(None, None) and float(out.scale) == 2.0**-4
     np.testing.assert_array_equal(out.to_array(), np.arange(16.0).reshape(8, 2))
     assert [e.primitive.name for e in jaxpr.eqns] == ["reshard"]  # the data only: the scale is not moved
