@@ -1,13 +1,17 @@
-"""Quickstart: train a small MLP in float32, then in scaled float16 with jsa.scalify.
+"""Quickstart: train a small MLP with Optax's Adam in float32, in plain float16, and in scaled float16.
 
 Run with ``python -m experiments.quickstart``. The task is synthetic (a random teacher
-network labels Gaussian inputs) so nothing is downloaded. Both runs start from the same
-weights; the scaled float16 run keeps weights, activations and gradients in float16 with
-power-of-two scales and no loss scaling. A third run in plain float16 (no scales) shows
-how far float16 alone gets on the same task; the script ends with a sentence per run saying
-what the comparison shows (see :func:`explain`). On this task plain float16 trains too: its
-values stay within float16's range, so the demo shows that scalify follows float32, not a
-failure of float16 (the FP8 GPT experiment of docs/experiments.md shows one).
+network labels Gaussian inputs) so nothing is downloaded. All runs start from the same
+weights and use ``optax.adam(1e-3)`` with its default ``eps=1e-8``:
+
+- plain float16 (no scales) fails: ``1e-8`` is 0 in float16, so Adam's
+  ``m / (sqrt(v) + eps)`` is ``0 / 0`` wherever a gradient entry is 0 and the weights turn
+  to NaN after the first step (loss scaling would not help: it is the optimizer's constant);
+- the README's recipe (``jsa.optim.scale_state`` around the same Adam, float16 weights and
+  inputs as ``ScaledArray``, the step wrapped with ``jsa.scalify``) follows float32.
+
+The script ends with a sentence per run saying what the comparison shows (see
+:func:`explain`).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import jax_scalify as jsa
 
@@ -43,13 +48,11 @@ def loss_fn(params, x, labels):
     return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1))
 
 
-def make_step(lr):
-    def step(params, x, labels):
+def make_step(tx):
+    def step(params, opt_state, x, labels):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, labels)
-        # Unit-scaling rules predict the size of gradients from their shapes; a dynamic
-        # rescale corrects that prediction with the measured RMS (a no-op outside scalify).
-        grads = jsa.ops.dynamic_rescale_l2(grads)
-        return loss, jax.tree.map(lambda p, g: p - lr * g, params, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return loss, optax.apply_updates(params, updates), opt_state
 
     return step
 
@@ -59,10 +62,10 @@ def make_data(key, n, teacher):
     return x, jnp.argmax(mlp(teacher, x), axis=-1)
 
 
-def train(step, params, batches, to_value=lambda loss: loss):
+def train(step, params, opt_state, batches, to_value=lambda loss: loss):
     losses = []
     for x, labels in batches:
-        loss, params = step(params, x, labels)
+        loss, params, opt_state = step(params, opt_state, x, labels)
         losses.append(float(to_value(loss)))
     return losses
 
@@ -79,7 +82,10 @@ def explain(results: dict[str, list[float]], tolerance: float = 0.01) -> list[st
             continue
         final = float(np.mean(losses[-10:]))
         if not np.isfinite(final):
-            sentences.append(f"{name} diverged (the loss became {final}): values left float16's range.")
+            sentences.append(
+                f"{name} diverged (the loss became {final}): a value left float16's range (here Adam's "
+                "eps = 1e-8, which is 0 in float16, so m / (sqrt(v) + eps) is 0 / 0)."
+            )
             continue
         gap = (final - ref) / ref
         if abs(gap) <= tolerance:
@@ -98,7 +104,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args(argv)
 
     key = jax.random.PRNGKey(0)
@@ -106,20 +112,23 @@ def main(argv=None):
     params = init_params(key)
     keys = jax.random.split(jax.random.PRNGKey(1), args.steps)
     batches = [make_data(k, args.batch, teacher) for k in keys]
-    step = make_step(args.lr)
+    step = jax.jit(make_step(optax.adam(args.lr)))
 
     results = {}
     start = time.perf_counter()
-    results["float32"] = train(jax.jit(step), params, batches)
-    results["float16 (plain)"] = train(jax.jit(step), jsa.tree.astype(params, jnp.float16), [(x.astype(jnp.float16), y) for x, y in batches])
+    results["float32"] = train(step, params, optax.adam(args.lr).init(params), batches)
+    params16 = jsa.tree.astype(params, jnp.float16)
+    batches16 = [(x.astype(jnp.float16), y) for x, y in batches]
+    results["float16 (plain)"] = train(step, params16, optax.adam(args.lr).init(params16), batches16)
+    tx = jsa.optim.scale_state(optax.adam(args.lr), jnp.float16)
     scaled_params = jsa.tree.astype(jsa.as_scaled_array(params), jnp.float16)
-    scaled_batches = [(jsa.as_scaled_array(x.astype(jnp.float16)), y) for x, y in batches]
+    scaled_batches = [(jsa.as_scaled_array(x), y) for x, y in batches16]
     results["float16 (scalify)"] = train(
-        jax.jit(jsa.scalify(step)), scaled_params, scaled_batches, lambda loss: loss.to_array(jnp.float32)
+        jax.jit(jsa.scalify(make_step(tx))), scaled_params, tx.init(scaled_params), scaled_batches, float
     )
     elapsed = time.perf_counter() - start
 
-    print(f"MLP {SIZES}, {args.steps} SGD steps of batch {args.batch}, lr {args.lr} ({elapsed:.1f} s)")
+    print(f"MLP {SIZES}, {args.steps} Adam steps of batch {args.batch}, lr {args.lr} ({elapsed:.1f} s)")
     print(f"{'run':<20}{'first loss':>12}{'final loss':>12}{'vs float32':>12}")
     ref = np.mean(results["float32"][-10:])
     for name, losses in results.items():

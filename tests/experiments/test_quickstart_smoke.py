@@ -24,8 +24,11 @@ def test_explain_reports_each_run_against_float32():
     assert sentences[3].startswith("diverged diverged")
 
 
-def test_quickstart_runs_and_explains(capsys):
+def test_quickstart_shows_plain_float16_adam_failing_and_scalify_following_float32(capsys):
     results = quickstart.main(["--steps", "3", "--batch", "16"])
     assert set(results) == {"float32", "float16 (plain)", "float16 (scalify)"}
+    assert math.isnan(results["float16 (plain)"][-1])  # Adam's eps is 0 in float16: 0 / 0
+    assert all(math.isfinite(v) for v in results["float16 (scalify)"])
+    assert abs(results["float16 (scalify)"][-1] - results["float32"][-1]) <= 0.01 * results["float32"][-1]
     out = capsys.readouterr().out
-    assert "float16 (scalify) ends" in out and "float16 (plain) ends" in out
+    assert "float16 (scalify) ends within" in out and "float16 (plain) diverged" in out
