@@ -233,6 +233,7 @@ def check_fp8_training(make_loss, params):
     return fp32, fp8
 
 
+@pytest.mark.slow  # about 15 s of compiles on 2 cores; the NNX FP8 training stays in the default run
 def test_linen_dense_and_dense_general_train_in_fp8():
     params = LinenModel().init(jax.random.PRNGKey(0), X)
 
@@ -279,6 +280,7 @@ def with_cast_linears(model, dot_general):
     return eqx.tree_at(linears, model, [CastLinear(m.weight, m.bias, dot_general) for m in linears(model)])
 
 
+@pytest.mark.slow  # about 10 s of compiles on 2 cores
 def test_equinox_mlp_with_cast_linears_trains_in_fp8():
     mlp = eqx.nn.MLP(8, 2, 16, depth=2, activation=jsa.nn.gelu, key=jax.random.PRNGKey(0))
     fp8_mlp = with_cast_linears(mlp, nn.cast_dot_general())
