@@ -10,7 +10,9 @@ import pytest
 
 import jax_scalify as jsa
 from jax_scalify.optim import scale_state
+from experiments.optim_state import make_optimizer as optimizer_with_defaults
 from tests.invariance import assert_close_values, assert_pow2_scales, scaled
+from tests.nn.helpers import init_mlp
 
 STEPS = 40
 LEARNING_RATES = {"adam": 1e-2, "adamw": 1e-2, "adabelief": 1e-2, "sgd_momentum": 1e-1, "lion": 3e-3}
@@ -22,13 +24,7 @@ def make_optimizer(name: str, schedule: bool) -> optax.GradientTransformation:
     lr = LEARNING_RATES[name]
     if schedule:
         lr = optax.warmup_cosine_decay_schedule(0.0, lr, STEPS // 10, STEPS, lr / 10)
-    return {
-        "adam": lambda: optax.adam(lr),
-        "adamw": lambda: optax.adamw(lr),
-        "adabelief": lambda: optax.adabelief(lr),
-        "sgd_momentum": lambda: optax.sgd(lr, momentum=0.9),
-        "lion": lambda: optax.lion(lr),
-    }[name]()
+    return optimizer_with_defaults(name, lr)
 
 
 ALL_OPTIMIZERS = pytest.mark.parametrize(
@@ -39,13 +35,6 @@ ALL_OPTIMIZERS = pytest.mark.parametrize(
 
 
 # --- a small regression task --------------------------------------------------------------------
-def init_mlp(rng: np.random.Generator, sizes) -> list:
-    return [
-        {"w": (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32), "b": np.zeros(b, np.float32)}
-        for a, b in zip(sizes[:-1], sizes[1:])
-    ]
-
-
 def mlp(params, x):
     for layer in params[:-1]:
         x = jsa.nn.gelu(x @ layer["w"] + layer["b"])

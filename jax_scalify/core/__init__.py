@@ -1,5 +1,6 @@
 """Core of jax_scalify: the data model, power-of-two arithmetic, config, registry, interpreter."""
 from .array import ScaledArray, as_scaled_array, asarray, is_floating_dtype, is_scaled_leaf, scaled_array
+from . import compat
 from .compat import (
     Array,
     ArrayTypes,
@@ -42,22 +43,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'jax_scalify.core' has no attribute '{name}'")
 
 
-__all__ = [
+__all__ = compat.__all__ + [
     "AnyScaleArray",
-    "Array",
-    "ArrayTypes",
-    "DTypeLike",
-    "Shape",
-    "Sharding",
     "debug_callback",
-    "get_numpy_api",
-    "get_scale_dtype",
-    "is_static_anyscale",
-    "is_static_one_scalar",
-    "is_static_zero",
-    "make_scaled_scalar",
-    "safe_div",
-    "safe_reciprocal",
     "Pow2RoundMode",
     "RegisteredRule",
     "RescalePolicy",

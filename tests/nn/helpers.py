@@ -23,3 +23,11 @@ def as_scaled_state(tree, dtype):
         return jsa.as_scaled_array(jnp.asarray(x)).astype(dtype)
 
     return jax.tree.map(leaf, tree)
+
+
+def init_mlp(rng, sizes) -> list:
+    """Dense layers ``{"w", "b"}`` of the given sizes, weights of unit fan-in variance, zero biases."""
+    return [
+        {"w": (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32), "b": np.zeros(b, np.float32)}
+        for a, b in zip(sizes[:-1], sizes[1:])
+    ]

@@ -23,14 +23,7 @@ import pytest
 import jax_scalify as jsa
 from jax_scalify import nn
 from tests.invariance import assert_close_values, assert_pow2_scales
-from tests.nn.helpers import as_scaled_state
-
-
-def init_mlp(rng: np.random.Generator, sizes) -> list:
-    return [
-        {"w": (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32), "b": np.zeros(b, np.float32)}
-        for a, b in zip(sizes[:-1], sizes[1:])
-    ]
+from tests.nn.helpers import as_scaled_state, init_mlp
 
 
 def mlp(params, x):
