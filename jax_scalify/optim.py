@@ -122,27 +122,32 @@ def _widen(tree: PyTree) -> PyTree:
 
 
 def _rescaled(tree: PyTree, rescale: Norm | None) -> PyTree:
-    """Floating arrays of ``tree`` with their statistic moved into the scale (values unchanged)."""
+    """Floating arrays of ``tree`` with their statistic moved into the scale (values unchanged).
+
+    One ``dynamic_rescale`` of all of them: their statistics are computed in one batch, and
+    arrays the rescale policy has just rescaled (the gradients) are not rescaled twice.
+    """
     if rescale is None:
         return tree
-    return jax.tree.map(lambda x: dynamic_rescale(x, rescale) if _is_narrowed(x) else x, tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    where = [i for i, x in enumerate(leaves) if _is_narrowed(x)]
+    for i, x in zip(where, dynamic_rescale([leaves[i] for i in where], rescale)):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
 
 
-def _store_leaf(x: Any, dtype: np.dtype, rescale: Norm | None) -> Any:
+def _store_leaf(x: Any, dtype: np.dtype) -> Any:
     if not _is_floating(x):
         return x
     if not _is_narrowed(x):
         return stop_scaling(x)  # scalars (learning rates, loss values) stay plain
-    if rescale is not None:
-        x = dynamic_rescale(x, rescale)
     return x.astype(dtype)
 
 
 def _store(state: PyTree, storage: _Storage) -> PyTree:
     """Rescale and narrow every array leaf of a (float32, scaled) state. Runs under scalify."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: _store_leaf(x, storage.dtype_at(path), storage.rescale), state
-    )
+    state = _rescaled(state, storage.rescale)
+    return jax.tree_util.tree_map_with_path(lambda path, x: _store_leaf(x, storage.dtype_at(path)), state)
 
 
 def _assert_zero_or_unit(x: Any) -> Any:
@@ -282,7 +287,7 @@ def scale_state(
 
     @scalify
     def update_stored(updates, state, params, extra_args):
-        updates32 = _rescaled(_widen(updates), rescale)
+        updates32 = _widen(_rescaled(updates, rescale))
         new_updates, new_state = inner.update(updates32, _widen(state), _widen(params), **extra_args)
         return _cast_like(_rescaled(new_updates, rescale), updates), _store(new_state, storage)
 

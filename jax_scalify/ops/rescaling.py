@@ -21,8 +21,10 @@ or non-finite data) gives factor 1, leaving ``x`` unchanged, and the factor neve
 scale below ``min_scale`` (default: the smallest normal number of the scale dtype) or above
 the largest power of two of the scale dtype.
 
-Everything is built from the scaling primitives, so outside scalify the functions are the
-identity on values (model invariance); under scalify they change only the representation.
+:func:`dynamic_rescale` of a pytree is one ``dynamic_rescale`` primitive with every floating
+leaf as an operand: the identity on values outside scalify (model invariance: it lowers to
+nothing, its derivative is the identity), and under scalify one rule that computes the
+statistics of all operands together and changes only the representation.
 The ``_grad`` variants do the same to the cotangent in the backward pass and are the
 identity in the forward pass.
 """
@@ -35,11 +37,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from ..core.array import ScaledArray, is_floating_dtype, is_scaled_leaf
 from ..core.config import Pow2RoundMode, ScalifyConfig, get_scalify_config
 from ..core.interpreter import scalify
-from ..core.policy import STATIC_POLICY
+from ..core.policy import STATIC_POLICY, active_policy, is_rescalable, was_rescaled
+from ..core.registry import ScaledPrimitiveType, register_scaled_op
 from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..core.pow2 import pow2_round, pow2_round_down
 from ..lax.base_scaling import as_scale, mul_data
@@ -138,15 +143,6 @@ def _rescale_factor(stat: Array, scale: Array, mode: Pow2RoundMode | None, min_s
     return jnp.where(has_scale, factor, jnp.ones_like(factor)).astype(scale_dtype)
 
 
-def _rescale_array(x: Array, norm_fn: NormFn, mode: Pow2RoundMode | None, min_scale: float | None) -> Array:
-    if x.size == 0:
-        return x
-    data, scale = get_data_scale(x)
-    data = jax.lax.stop_gradient(data)  # the factor is a choice of representation, not a function to differentiate
-    stat = norm_fn(data.astype(_work_dtype(data.dtype)))
-    return rebalance(x, _rescale_factor(stat, scale, mode, min_scale))
-
-
 def strided_sample(data: Array, max_size: int | None) -> Array:
     """At most about ``max_size`` elements of ``data``: a regular grid of strided slices (``None``: all).
 
@@ -192,12 +188,20 @@ def _row_statistics(rows: Array, sizes: np.ndarray, norm: str) -> Array:
     top = jnp.max(magnitudes, axis=1)
     if norm == "max":
         return top
-    m = pow2_round_down(top)
-    m = jnp.where(jnp.isfinite(m) & (m > 0), m, jnp.ones_like(m))
+    m = _pow2_normaliser(top)
     normed = magnitudes / m[:, None]
     if norm == "l1":
         return m * (jnp.sum(normed, axis=1) / sizes)
     return m * jnp.sqrt(jnp.sum(jnp.square(normed), axis=1) / sizes)
+
+
+def _pow2_normaliser(top: Array) -> Array:
+    """The power of two at or below ``top`` (1 where ``top`` is 0 or not finite): dividing by it is exact."""
+    if np.dtype(top.dtype) != np.float32:
+        m = pow2_round_down(top)
+        return jnp.where(jnp.isfinite(m) & (m > 0), m, jnp.ones_like(m))
+    e = _biased_exponent(top)
+    return _from_biased_exponent(jnp.where((e >= 1) & (e <= 254), e, _F32_BIAS))
 
 
 def _explicitly_sharded(x: Array) -> bool:
@@ -213,7 +217,7 @@ def _batch_statistics(samples: list[Array], norm: str, work, stack: bool) -> Arr
     where samples of differently sharded tensors cannot be stacked, or without ``stack``
     (whole tensors, which stacking would copy), each is reduced on its own.
     """
-    if not stack or norm not in ("l1", "l2", "max") or any(_explicitly_sharded(d) for d in samples):
+    if not stack or callable(norm) or norm not in ("l1", "l2", "max") or any(_explicitly_sharded(d) for d in samples):
         norm_fn = _norm_fn(norm)
         return jnp.stack([norm_fn(d.astype(work)) for d in samples])
     flat = [d.reshape(-1).astype(work) for d in samples]
@@ -222,50 +226,128 @@ def _batch_statistics(samples: list[Array], norm: str, work, stack: bool) -> Arr
     return _row_statistics(rows, np.array([d.size for d in flat], work), norm)
 
 
-def rescale_scaled_arrays(xs: list[ScaledArray], norm: str = "l2", sample_size: int | None = 4096) -> list[ScaledArray]:
+def rescale_scaled_arrays(
+    xs: list[ScaledArray],
+    norm: Norm = "l2",
+    sample_size: int | None = 4096,
+    *,
+    rounding_mode: Pow2RoundMode | None = None,
+    min_scale: float | None = None,
+) -> list[ScaledArray]:
     """:func:`rescale_scaled_array` of several ``ScaledArray`` at once, their statistics computed together.
 
     The statistics of the (sampled) data are computed together (:func:`_batch_statistics`)
     and the factors, their inverses and the new scales as vectors: the scalar arithmetic of
     the batch is a few kernels instead of a few per tensor. ``norm`` is ``"l1"``, ``"l2"``,
-    ``"max"`` or a callable.
+    ``"max"`` or a callable; ``rounding_mode`` defaults to the configured one.
     """
-    if len(xs) < 2:
-        return [rescale_scaled_array(x, norm, sample_size) for x in xs]
+    if not xs:
+        return []
     config = get_scalify_config()
+    mode = config.rounding_mode if rounding_mode is None else rounding_mode
+    if len(xs) < 2 and min_scale is None and rounding_mode is None and not callable(norm):
+        return [rescale_scaled_array(x, norm, sample_size) for x in xs]
     samples = [strided_sample(jax.lax.stop_gradient(x.data), sample_size) for x in xs]
     work = np.float64 if any(np.dtype(d.dtype) == np.float64 for d in samples) else np.float32
     stats = _batch_statistics(samples, norm, work, stack=sample_size is not None)
     scales = jnp.stack([jnp.asarray(as_scale(x.scale)) for x in xs])
-    factors = _rescale_factor(stats, scales, config.rounding_mode, None)
-    inverses, new_scales = 1 / factors, scales * factors
+    if min_scale is None and _exponent_path(stats, scales, mode):
+        inverses, new_scales = _pow2_rescale_exponents(stats, scales, mode == Pow2RoundMode.UP)
+    else:
+        factors = _rescale_factor(stats, scales, mode, min_scale)
+        inverses, new_scales = 1 / factors, scales * factors
     outs = []
     for i, x in enumerate(xs):
         out = ScaledArray(mul_data(x.data, inverses[i]), new_scales[i])
-        if config.rounding_mode != Pow2RoundMode.NONE and is_known_pow2(as_scale(x.scale)):
+        if mode != Pow2RoundMode.NONE and is_known_pow2(as_scale(x.scale)):
             mark_pow2(out.scale)
         outs.append(out)
     return outs
 
 
-@functools.partial(jax.jit, static_argnames=("norm_fn", "min_scale", "config"))
-def _rescale_jit(x: Array, norm_fn: NormFn, min_scale: float | None, config: ScalifyConfig) -> Array:
-    """One jitted call per leaf: cheap eagerly, one ``jit`` equation in a trace.
+_F32_EXPONENT_MASK = 0x7F800000
+_F32_BIAS = 127
 
-    The config is a static argument (not read from the context inside) so that a cached
-    trace never uses stale settings.
+
+def _exponent_path(stats: Array, scales: Array, mode: Pow2RoundMode) -> bool:
+    """Whether :func:`_pow2_rescale_exponents` applies: float32 statistics and scales, power-of-two rounding."""
+    return (
+        mode in (Pow2RoundMode.DOWN, Pow2RoundMode.UP)
+        and np.dtype(stats.dtype) == np.float32
+        and np.dtype(scales.dtype) == np.float32
+    )
+
+
+def _biased_exponent(x: Array) -> Array:
+    """The exponent field of float32 ``x`` (0 for zero and subnormals, 255 for inf and nan), as int32."""
+    return jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(x, jnp.int32) & _F32_EXPONENT_MASK, 23)
+
+
+def _from_biased_exponent(e: Array) -> Array:
+    """``2**(e - 127)`` for int32 ``e`` in [1, 254]."""
+    return jax.lax.bitcast_convert_type(jax.lax.shift_left(e, 23), jnp.float32)
+
+
+def _pow2_rescale_exponents(stats: Array, scales: Array, up: bool) -> tuple[Array, Array]:
+    """``(1 / factors, scales * factors)`` of a batch rescale, computed on the float32 exponent fields.
+
+    The same rule as :func:`_rescale_factor` (the statistic rounded to a power of two moves
+    into the scale; the new scale stays a normal float32; a zero, subnormal or non-finite
+    statistic, or a scale that is 0, subnormal or inf, leaves the value as it is) in integer
+    arithmetic: a few cheap operations without division, which XLA fuses into the kernels
+    that consume the factors instead of compiling a chain of kernels of its own.
     """
-    with config:
-        return _rescale_array(x, norm_fn, config.rounding_mode, min_scale)
+    e_stat, e_scale = _biased_exponent(stats), _biased_exponent(scales)
+    if up:
+        mantissa = jax.lax.bitcast_convert_type(stats, jnp.int32) & 0x007FFFFF
+        e_stat = e_stat + (mantissa != 0).astype(jnp.int32)
+    valid = (e_stat >= 1) & (e_stat <= 254) & (e_scale >= 1) & (e_scale <= 254)
+    new_scale_exponent = jnp.clip(e_scale + e_stat - _F32_BIAS, 1, 254)
+    shift = jnp.where(valid, jnp.clip(new_scale_exponent - e_scale, -126, 126), 0)
+    return _from_biased_exponent(_F32_BIAS - shift), jnp.where(valid, _from_biased_exponent(e_scale + shift), scales)
 
 
-def _rescale_leaf(x: Any, norm_fn: NormFn, config: ScalifyConfig, min_scale: float | None) -> Any:
-    if isinstance(x, ScaledArray):
-        # A ScaledArray outside scalify: rescale its representation eagerly.
-        return scalify(lambda a: _rescale_jit(a, norm_fn, min_scale, config), policy=STATIC_POLICY)(x)
-    if not _is_floating_array(x):
-        return x
-    return _rescale_jit(x, norm_fn, min_scale, config)
+# --- the dynamic_rescale primitive --------------------------------------------------------------
+dynamic_rescale_p = Primitive("dynamic_rescale")
+dynamic_rescale_p.multiple_results = True
+dynamic_rescale_p.def_impl(lambda *xs, **_: list(xs))
+dynamic_rescale_p.def_abstract_eval(lambda *avals, **_: list(avals))
+mlir.register_lowering(dynamic_rescale_p, mlir.lower_fun(lambda *xs, **_: list(xs), multiple_results=True))
+ad.primitive_jvps[dynamic_rescale_p] = lambda primals, tangents, **params: (
+    dynamic_rescale_p.bind(*primals, **params),
+    list(tangents),  # the value is unchanged: its derivative is the identity
+)
+batching.primitive_batchers[dynamic_rescale_p] = lambda args, dims, **params: (
+    dynamic_rescale_p.bind(*args, **params),
+    list(dims),
+)
+
+
+@register_scaled_op(dynamic_rescale_p, scaled_type=ScaledPrimitiveType.ALWAYS_SCALE)
+def scaled_dynamic_rescale(*xs: ScaledArray, norm: Norm, rounding_mode: Pow2RoundMode, min_scale: float | None) -> list:
+    """The statistic of each data moved into its scale; the scalar arithmetic of all operands batched.
+
+    An operand the rescale policy has just rescaled with the same statistic and rounding is
+    returned as it is (rescaling it again would move nothing).
+    """
+    policy = active_policy()
+    same_as_policy = norm == policy.norm and rounding_mode == get_scalify_config().rounding_mode and min_scale is None
+    todo = [i for i, x in enumerate(xs) if is_rescalable(x) and not (same_as_policy and was_rescaled(x))]
+    outs = list(xs)
+    rescaled = rescale_scaled_arrays(
+        [xs[i] for i in todo], norm, None, rounding_mode=rounding_mode, min_scale=min_scale
+    )
+    for i, out in zip(todo, rescaled):
+        outs[i] = out
+    return outs
+
+
+def _rescale_leaves(leaves: list, norm: Norm, config: ScalifyConfig, min_scale: float | None) -> list:
+    params = dict(norm=norm, rounding_mode=config.rounding_mode, min_scale=min_scale)
+    if any(isinstance(x, ScaledArray) for x in leaves):
+        # ScaledArrays outside scalify: rescale their representation eagerly.
+        return scalify(lambda *xs: dynamic_rescale_p.bind(*xs, **params), policy=STATIC_POLICY)(*leaves)
+    return dynamic_rescale_p.bind(*leaves, **params)
 
 
 def dynamic_rescale(
@@ -292,12 +374,18 @@ def dynamic_rescale(
             of the scale dtype; other values are rounded up to a power of two). A zero or
             non-finite statistic leaves the leaf unchanged.
     """
-    norm_fn = _norm_fn(norm)
+    if not callable(norm):
+        _norm_fn(norm)  # checks the name
     config = get_scalify_config()
     if rounding_mode is not None:
         config = dataclasses.replace(config, rounding_mode=rounding_mode)
     min_scale = None if min_scale is None else _pow2_floor(min_scale)
-    return jax.tree.map(lambda x: _rescale_leaf(x, norm_fn, config, min_scale), tree, is_leaf=is_scaled_leaf)
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_scaled_leaf)
+    where = [i for i, x in enumerate(leaves) if isinstance(x, ScaledArray) or _is_floating_array(x)]
+    if where:
+        for i, out in zip(where, _rescale_leaves([leaves[i] for i in where], norm, config, min_scale)):
+            leaves[i] = out
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def dynamic_rescale_l1(tree: PyTree, **kwargs) -> PyTree:
