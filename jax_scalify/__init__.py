@@ -1,6 +1,6 @@
 """jax_scalify: end-to-end scale propagation for FP16 and FP8 training in JAX."""
 from . import core, lax, ops, quantization, tree
-from . import analysis
+from . import analysis, extend
 from . import nn
 from . import optim
 from .core import (

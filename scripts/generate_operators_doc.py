@@ -11,7 +11,7 @@ import sys
 
 from jax.extend.core import Primitive, primitives
 
-from jax_scalify.core import ScaledPrimitiveType, registered_rules
+from jax_scalify.extend import ScaledPrimitiveType, registered_rules
 
 DOC_PATH = pathlib.Path(__file__).resolve().parent.parent / "docs" / "operators.md"
 
