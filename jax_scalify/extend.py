@@ -6,8 +6,8 @@ and ``analysis`` namespaces hold the user API. A rule author finds here, in one 
 - the registry: :func:`register_scaled_op` (one call with all of a rule's metadata:
   when it runs, whether its inputs are promoted, whether the primitive preserves broadcast
   scalars), :func:`register_scaled_lax_op`, :func:`registered_rule`, :class:`RegisteredRule`;
-- the interpreter's entry points: :func:`eval_scaled_jaxpr` (a sub-jaxpr evaluated with the
-  rules), :func:`observe_equations`, :func:`concrete_scalar`;
+- the interpreter's entry points: :func:`eval_scaled_jaxpr` and :func:`eval_closed_jaxpr`
+  (a sub-jaxpr evaluated with the rules), :func:`observe_equations`, :func:`concrete_scalar`;
 - promotion and any-scale values: :class:`AnyScaleArray`, :func:`is_any_scale`,
   :func:`promote`;
 - the scale arithmetic the built-in rules share (from :mod:`jax_scalify.lax.base_scaling`):
@@ -28,7 +28,7 @@ Example, a rule for a primitive that keeps its operand's scale::
 """
 from .core.array import ScaledArray, is_floating_dtype
 from .core.custom_scale import custom_scale_call_p
-from .core.interpreter import concrete_scalar, eval_scaled_jaxpr, observe_equations
+from .core.interpreter import concrete_scalar, eval_closed_jaxpr, eval_scaled_jaxpr, observe_equations
 from .core.promotion import promote
 from .core.registry import (
     RegisteredRule,
@@ -52,6 +52,7 @@ __all__ = [
     "ScaledRule",
     "concrete_scalar",
     "custom_scale_call_p",
+    "eval_closed_jaxpr",
     "eval_scaled_jaxpr",
     "find_registered_scaled_op",
     "is_floating_dtype",

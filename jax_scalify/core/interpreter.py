@@ -1,6 +1,6 @@
 """The ``scalify`` transform: trace to a jaxpr, then evaluate it with the scale rules.
 
-Evaluation is equation by equation (design section 4):
+Evaluation is equation by equation:
 
 1. no input is scaled and the primitive is not ``ALWAYS_SCALE`` (nor holds one in a
    sub-jaxpr): the equation is bound as it is;
@@ -446,6 +446,16 @@ def _promote_if_floating(x, scalar):
     return promote(x, scalar)
 
 
+def eval_closed_jaxpr(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+    """:func:`eval_scaled_jaxpr` on a closed sub-jaxpr, for the rules of call primitives.
+
+    Plain arguments known at trace time keep their constant-scalar status (see
+    :func:`concrete_scalar`), so constants passed into the sub-jaxpr are still split exactly.
+    """
+    scalars = [None if isinstance(a, ScaledArray) else concrete_scalar(a) for a in args]
+    return eval_scaled_jaxpr(closed.jaxpr, closed.consts, list(args), scalars)
+
+
 def concrete_scalar(value) -> np.ndarray | None:
     """The value as a 0-d NumPy array if it is a concrete (not traced) size-1 number.
 
@@ -507,7 +517,7 @@ def _missing_rule_error(eqn: JaxprEqn, invals: list) -> NotImplementedError:
         f"  inputs: {inputs}\n"
         f"  from:   {_user_location(eqn)}\n"
         "Register one with a decorator (the rule gets ScaledArray inputs and the equation's params):\n"
-        f"    @jsa.core.register_scaled_op(<the '{name}' primitive>)\n"
+        f"    @jax_scalify.extend.register_scaled_op(<the '{name}' primitive>)\n"
         f"    def scaled_{name}(*inputs, **params): ...\n"
         "or compute this part outside scalify, or on plain values with jsa.lax.stop_scaling."
     )

@@ -128,12 +128,13 @@ def scaled_product(data: Array, a: Array, b: Array, *, divide: bool = False) -> 
     Scale rule: the exact product (quotient) ``p`` of the scales when it lies within
     :func:`scale_bounds`; otherwise the nearest bound ``c``, and the excess ``p / c`` (a power
     of two for power-of-two scales) moves into the data, exactly, so ``data * scale`` is
-    unchanged. Without it the scale silently became inf (``2**120 * 2**20``) or 0, and the
-    value inf or nan. Trace-time (NumPy) scales are always guarded, at no run-time cost.
-    Traced scales are guarded only with ``ScalifyConfig(guard_traced_scales=True)``: five
-    scalar operations and one multiply of the data by ``p / c`` (1 unless the scale left the
-    range), which made the benchmark steps compile 40-85% slower. A zero or non-finite ``p``
-    gives the same values as before (``p / c`` is 0, inf or nan).
+    unchanged. An unguarded scale overflows to inf (``2**120 * 2**20``) or underflows to 0,
+    and the value becomes inf or nan. Trace-time (NumPy) scales are always guarded, at no
+    run-time cost. Traced scales are guarded only with
+    ``ScalifyConfig(guard_traced_scales=True)``: five scalar operations and one multiply of
+    the data by ``p / c`` (1 unless the scale left the range), which makes the benchmark steps
+    compile 40-85% slower. A zero or non-finite ``p`` gives the unguarded values (``p / c`` is
+    0, inf or nan).
 
     ``(a / c) * b`` is exact for normal powers of two: past the top bound ``a >= 2`` (else
     ``a * b <= 2**127``), so ``a / c >= 2**-126``; below the bottom one ``a < 1``, so

@@ -1,6 +1,6 @@
 """Scale rules of the elementwise arithmetic primitives: add, mul, max, select, comparisons, casts.
 
-Families (design section 5):
+Families:
 
 - sums (``add``, ``sub``, ``add_any``): output scale ``pow2(sqrt(sa**2 + sb**2))``, both
   data rebalanced to it; an any-scale operand (constant 0 or ±inf) takes the other's scale;
@@ -35,6 +35,7 @@ from .base_scaling import (
     align_to_largest,
     as_scale,
     is_any_scale,
+    is_numpy,
     largest_scale,
     mul_data,
     rescale,
@@ -54,15 +55,6 @@ Array = Any
 
 
 # --- private helpers -------------------------------------------------------------------------
-def is_numpy(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, np.generic, float, int))
-
-
-def numpy_api(*xs: Any):
-    """NumPy when every input is a NumPy value (so scales fold at trace time), else jax.numpy."""
-    return np if all(is_numpy(x) for x in xs) else jnp
-
-
 def _data(x: Any) -> Array:
     return x.data if isinstance(x, ScaledArray) else x
 

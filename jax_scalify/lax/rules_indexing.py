@@ -1,7 +1,7 @@
 """Scale rules of the indexing primitives: dynamic slices, gather, scatter, sort and top_k.
 
 Indices are integer operands: they arrive plain and are passed through unchanged. The scale
-logic (design section 5):
+logic:
 
 - reading elements (``dynamic_slice``, ``gather``, ``sort``, the values of ``top_k`` and
   ``approx_top_k``) keeps the scale: the primitive is applied to the data;

@@ -1,6 +1,6 @@
 """Scale rules of the layout primitives: reshape, transpose, broadcast, slice, concatenate, pad ...
 
-These primitives move, copy or drop elements without arithmetic, so (design section 5):
+These primitives move, copy or drop elements without arithmetic, so:
 
 - single-operand layout ops are applied to the data and keep the scale;
 - ops that merge several floating operands into one array (``concatenate``, ``pad``) align
@@ -32,6 +32,7 @@ from .base_scaling import (
     bind_keep_scale,
     is_any_scale,
     largest_scale,
+    numpy_api,
     rescale,
     with_scalar_scale,
     zero_to_one,
@@ -44,10 +45,6 @@ tile_p: Primitive = primitive_of(lambda x: jnp.tile(x, 2), np.zeros((2,), np.flo
 split_p: Primitive = primitive_of(lambda x: jnp.split(x, 2), np.zeros((2,), np.float32))
 
 
-def is_numpy(*values: Any) -> bool:
-    return all(isinstance(v, (np.ndarray, np.generic)) for v in values)
-
-
 def _scale_with_scalar_fill(operand: ScaledArray, fill: ScaledArray) -> Array:
     """Common scale of an array and a 0-d fill value: the largest, unless the fill is 0 or ±inf.
 
@@ -58,7 +55,7 @@ def _scale_with_scalar_fill(operand: ScaledArray, fill: ScaledArray) -> Array:
     """
     if is_any_scale(fill) or is_any_scale(operand):
         return largest_scale([operand, fill])
-    npapi = np if is_numpy(fill.data, operand.scale, fill.scale) else jnp
+    npapi = numpy_api(fill.data, operand.scale, fill.scale)
     free = ~npapi.isfinite(fill.data) | (fill.data == 0)
     s_operand, s_fill = as_scale(operand.scale), as_scale(fill.scale)
     scale = npapi.where(free, s_operand, npapi.maximum(s_operand, s_fill))

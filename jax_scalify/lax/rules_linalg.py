@@ -1,4 +1,4 @@
-"""Scale rules of the contractions: ``dot_general`` and ``conv_general_dilated`` (design sections 5, 8).
+"""Scale rules of the contractions: ``dot_general`` and ``conv_general_dilated``.
 
 A contraction sums ``K`` products (``K`` the contracted size, the fan-in for a convolution).
 With unit-variance independent operands each output has standard deviation ``sqrt(K)``, so

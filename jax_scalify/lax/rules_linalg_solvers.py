@@ -4,7 +4,7 @@ Each factorisation is homogeneous in its input: for a power-of-two ``s`` the flo
 algorithm on ``d * s`` does the same operations as on ``d``, every intermediate multiplied
 by a power of ``s`` (pivot and rotation choices compare ratios, which ``s`` leaves
 unchanged). So the primitive is bound on the data with the equation's params, and each
-output gets the power of the input scale it is homogeneous of (exact, design section 5):
+output gets the power of the input scale it is homogeneous of (exact):
 
 - degree 1 (scale ``s_a``): R of QR, singular values, eigenvalues, U of LU, the Schur form,
   the Hessenberg and tridiagonal forms; degree 1/2: the Cholesky factor (an odd exponent
@@ -38,6 +38,7 @@ import numpy as np
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
+from ..core.interpreter import eval_closed_jaxpr
 from ..core.registry import register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
     align_to_largest,
@@ -48,7 +49,6 @@ from .base_scaling import (
     widen,
     with_scalar_scale,
 )
-from .control_flow import _eval_closed  # shared private helper: sub-jaxpr with known constants
 
 Array = Any
 
@@ -135,7 +135,7 @@ def scaled_custom_linear_solve(*args: Any, const_lengths: Any, jaxprs: Any, **pa
     offset = const_lengths.matvec + const_lengths.vecmat
     solve_consts = args[offset : offset + const_lengths.solve]
     rhs = args[sum(const_lengths) :]
-    return _eval_closed(jaxprs.solve, [*solve_consts, *rhs])
+    return eval_closed_jaxpr(jaxprs.solve, [*solve_consts, *rhs])
 
 
 # --- factorisations --------------------------------------------------------------------------

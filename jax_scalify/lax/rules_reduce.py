@@ -1,4 +1,4 @@
-"""Scale rules of reductions, cumulative ops and windowed reductions (design section 5).
+"""Scale rules of reductions, cumulative ops and windowed reductions.
 
 Sums are unit-scaled: a sum of ``K`` independent unit-variance terms has standard deviation
 ``sqrt(K)``, so the rules move ``r = pow2(sqrt(K))`` from the data into the scale

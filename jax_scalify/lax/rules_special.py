@@ -1,6 +1,6 @@
 """Scale rules of the special functions, random sampling, bitcasts and the generic ``reduce``.
 
-Families (design section 5):
+Families:
 
 - special functions (``bessel_i0e``, ``bessel_i1e``, ``igamma``, ``igammac``,
   ``igamma_grad_a``, ``polygamma``, ``zeta``, ``regularized_incomplete_beta``): non-linear

@@ -1,6 +1,6 @@
 """Scale rules of the unary elementwise primitives.
 
-Families (design section 5):
+Families:
 
 - sign changes (``neg``, ``abs``): data mapped, scale kept;
 - powers (``integer_pow``, ``square``, ``sqrt``, ``rsqrt``, ``cbrt``): exact on the scale,
