@@ -43,7 +43,7 @@ def test_engine_internals_are_not_in_the_user_namespaces():
     for namespace in (jsa, jsa.core):
         public = set(getattr(namespace, "__all__", dir(namespace)))
         assert not public & set(ENGINE_NAMES), namespace.__name__
-    assert "scalify" in jsa.core.__all__ and "ScaledArray" in jsa.core.__all__
+    assert "scalify" in jsa.core.__all__ and "ScaledArray" in jsa.core.__all__ and "extend" not in jsa.__all__
 
 
 def test_a_rule_written_with_extend_alone():
