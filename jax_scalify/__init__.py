@@ -1,6 +1,6 @@
 """jax_scalify: end-to-end scale propagation for FP16 and FP8 training in JAX."""
 from . import core, lax, ops, quantization, tree
-from . import analysis
+from . import analysis, extend
 from . import nn
 from . import optim
 from .core import (
@@ -22,3 +22,28 @@ from .tree.serialization import install_flax_hook as _install_flax_hook
 _install_flax_hook()
 
 __version__ = "0.2.0.dev0"
+
+__all__ = [
+    "Pow2RoundMode",
+    "RescalePolicy",
+    "ScaledArray",
+    "ScalifyConfig",
+    "as_scaled_array",
+    "asarray",
+    "custom_scale",
+    "debug_callback",
+    "device_put",
+    "is_scaled_leaf",
+    "scaled_array",
+    "scaled_shardings",
+    "scalify",
+    # user namespaces; the engine for rule authors is jax_scalify.extend
+    "analysis",
+    "core",
+    "lax",
+    "nn",
+    "ops",
+    "optim",
+    "quantization",
+    "tree",
+]

@@ -11,7 +11,7 @@ import sys
 
 from jax.extend.core import Primitive, primitives
 
-from jax_scalify.core import ScaledPrimitiveType, registered_rules
+from jax_scalify.extend import ScaledPrimitiveType, registered_rules
 
 DOC_PATH = pathlib.Path(__file__).resolve().parent.parent / "docs" / "operators.md"
 
@@ -25,7 +25,7 @@ rule's scale logic (first line of the rule's docstring). `sa`, `sb` are the inpu
 
 A primitive without a rule still works under scalify when none of its inputs is scaled;
 with a scaled input it raises `NotImplementedError` naming the primitive. See
-`jax_scalify.core.register_scaled_op` to add one.
+`jax_scalify.extend.register_scaled_op` to add one.
 
 When: `forward` = the rule runs when an input is scaled; `always` = it runs even on
 unscaled inputs; `never` = the primitive always runs on plain values.

@@ -1,7 +1,7 @@
 """Record the scale statistics of every intermediate value of a scalified function.
 
 :func:`record_scales` runs ``jsa.scalify(fun)`` eagerly (under ``jax.disable_jit()``, so
-values are concrete) and, through :func:`jax_scalify.core.observe_equations`, records one
+values are concrete) and, through :func:`jax_scalify.extend.observe_equations`, records one
 :class:`ScaleRecord` per floating array output of every evaluated equation: the primitive,
 the user source line, the pass (forward, backward, update), and the log2 RMS of the value,
 of the data and the log2 scale, with the fractions of data elements that are zero,

@@ -1,5 +1,10 @@
-"""Core of jax_scalify: the data model, power-of-two arithmetic, config, registry, interpreter."""
-from .array import ScaledArray, as_scaled_array, asarray, is_floating_dtype, is_scaled_leaf, scaled_array
+"""Core of jax_scalify: the data model, power-of-two arithmetic, config and the ``scalify`` transform.
+
+This namespace is the user API (plus jax-scalify 0.1's names, kept with their meaning, see
+``docs/migration.md``). The engine behind it (registry entries, interpreter entry points,
+promotion) is for rule authors, in :mod:`jax_scalify.extend`.
+"""
+from .array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
 from . import compat
 from .compat import (
     Array,
@@ -17,21 +22,12 @@ from .compat import (
     safe_reciprocal,
 )
 from .config import Pow2RoundMode, ScalifyConfig, get_scalify_config
-from .custom_scale import custom_scale, custom_scale_call_p
-from .interpreter import eval_scaled_jaxpr, observe_equations, scalify, unpromoted_inputs
+from .custom_scale import custom_scale
+from .interpreter import scalify
 from .policy import RescalePolicy
 from .pow2 import get_mantissa, pow2_decompose, pow2_exponent, pow2_round, pow2_round_down, pow2_round_up
-from .promotion import AnyScaleArray, is_any_scale
-from .registry import (
-    RegisteredRule,
-    ScaledPrimitiveType,
-    find_registered_scaled_op,
-    primitive_of,
-    register_scalar_preserving,
-    register_scaled_lax_op,
-    register_scaled_op,
-    registered_rules,
-)
+from .registry import ScaledPrimitiveType, find_registered_scaled_op, register_scaled_lax_op, register_scaled_op
+
 
 def __getattr__(name: str):
     # jax-scalify 0.1 had ``core.debug_callback``; it lives in ``ops`` now, which core must not
@@ -43,38 +39,26 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'jax_scalify.core' has no attribute '{name}'")
 
 
-__all__ = compat.__all__ + [
-    "AnyScaleArray",
-    "debug_callback",
+_USER_API = [
     "Pow2RoundMode",
-    "RegisteredRule",
     "RescalePolicy",
     "ScaledArray",
-    "ScaledPrimitiveType",
     "ScalifyConfig",
     "as_scaled_array",
     "asarray",
     "custom_scale",
-    "custom_scale_call_p",
-    "eval_scaled_jaxpr",
-    "find_registered_scaled_op",
     "get_mantissa",
     "get_scalify_config",
-    "is_any_scale",
-    "is_floating_dtype",
     "is_scaled_leaf",
-    "observe_equations",
     "pow2_decompose",
     "pow2_exponent",
     "pow2_round",
     "pow2_round_down",
     "pow2_round_up",
-    "primitive_of",
-    "register_scalar_preserving",
-    "register_scaled_lax_op",
-    "register_scaled_op",
-    "registered_rules",
     "scaled_array",
     "scalify",
-    "unpromoted_inputs",
 ]
+# jax-scalify 0.1's registry names; the full registry API is in jax_scalify.extend.
+_COMPAT_REGISTRY = ["ScaledPrimitiveType", "find_registered_scaled_op", "register_scaled_lax_op", "register_scaled_op"]
+
+__all__ = _USER_API + compat.__all__ + _COMPAT_REGISTRY + ["debug_callback"]

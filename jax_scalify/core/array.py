@@ -482,3 +482,8 @@ def asarray(tree: Any, dtype: DTypeLike = None) -> Any:
         return x
 
     return jax.tree.map(convert, tree, is_leaf=is_scaled_leaf)
+
+
+def unscaled(x: Any) -> Any:
+    """The plain value of one leaf: ``data * scale`` for a ``ScaledArray``, anything else as it is."""
+    return x.to_array() if isinstance(x, ScaledArray) else x

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .array import ScaledArray
-from .pow2 import Pow2RoundMode, pow2_decompose
+from .pow2 import Pow2RoundMode, is_numpy, pow2_decompose
 
 Array = jax.Array
 """A JAX array (in 0.1 an alias of ``jax.Array`` too)."""
@@ -69,13 +69,9 @@ def make_scaled_scalar(value: Any, scale_dtype: DTypeLike = None) -> ScaledArray
     return ScaledArray(mantissa, scale)
 
 
-def _is_numpy(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, np.number, bool, int, float))
-
-
 def _static_mask(x: Any, predicate) -> np.ndarray:
     """Elementwise ``predicate`` where ``x`` is known now (NumPy), False where it is not."""
-    if _is_numpy(x):
+    if is_numpy(x):
         return predicate(np.asarray(x))
     return np.zeros(np.shape(x), np.bool_)
 
@@ -96,7 +92,7 @@ def is_static_zero(x: Any) -> np.ndarray:
 def is_static_anyscale(x: Any) -> np.ndarray:
     """Boolean NumPy mask of the elements known at trace time to be ``0`` or ``±inf``.
 
-    These values keep their value under any scale (see ``jsa.core.AnyScaleArray``).
+    These values keep their value under any scale (see ``jax_scalify.extend.AnyScaleArray``).
     """
 
     def anyscale(v):
@@ -113,14 +109,14 @@ def is_static_one_scalar(x: Any) -> bool:
         return x == 1
     if isinstance(x, ScaledArray):
         return np.size(x.data) == 1 and is_static_one_scalar(x.data) and is_static_one_scalar(x.scale)
-    if _is_numpy(x) and np.size(x) == 1:
+    if is_numpy(x) and np.size(x) == 1:
         return bool(np.asarray(x).reshape(()) == 1)
     return False
 
 
 def safe_div(lhs: Any, rhs: Any) -> Any:
     """``lhs / rhs`` for scalars, with 0 where ``rhs`` is 0 (NumPy in, NumPy out)."""
-    if _is_numpy(lhs) and _is_numpy(rhs):
+    if is_numpy(lhs) and is_numpy(rhs):
         lhs, rhs = np.asarray(lhs), np.asarray(rhs)
         return np.divide(lhs, rhs, out=np.zeros(np.broadcast_shapes(lhs.shape, rhs.shape), rhs.dtype), where=rhs != 0)
     return jnp.where(rhs == 0, jnp.zeros_like(rhs), lhs / jnp.where(rhs == 0, jnp.ones_like(rhs), rhs))
@@ -128,7 +124,7 @@ def safe_div(lhs: Any, rhs: Any) -> Any:
 
 def safe_reciprocal(x: Any) -> Any:
     """``1 / x`` for scalars, with 0 where ``x`` is 0 (NumPy in, NumPy out)."""
-    one = np.ones((), np.asarray(x).dtype) if _is_numpy(x) else jnp.ones_like(x)
+    one = np.ones((), np.asarray(x).dtype) if is_numpy(x) else jnp.ones_like(x)
     return safe_div(one, x)
 
 

@@ -206,6 +206,9 @@ def _vmapped_rule(rule: Callable[..., list], batched: Sequence[bool], size: int)
     over its data with the scale shared. Output scales come out per example and are
     rebalanced to the largest one.
     """
+    # The scale arithmetic lives with the rules (jax_scalify.lax), which core does not import
+    # while it is itself being imported; a batched rule only runs once jax_scalify is loaded.
+    from ..lax.base_scaling import rebalance_stacked, with_scalar_scale
 
     def batched_rule(*inputs):
         in_axes = []
@@ -214,42 +217,15 @@ def _vmapped_rule(rule: Callable[..., list], batched: Sequence[bool], size: int)
             if not is_batched:
                 in_axes.append(None)
             elif isinstance(x, ScaledArray):
-                x = _scalar_scale(x)
+                x = with_scalar_scale(x)
                 in_axes.append(type(x).tree_unflatten(None, (0, None)))
             else:
                 in_axes.append(0)
             shared.append(x)
         outs = jax.vmap(rule, in_axes=tuple(in_axes), out_axes=0, axis_size=size)(*shared)
-        return [_rebalance_batch(y) if isinstance(y, ScaledArray) else y for y in outs]
+        return [rebalance_stacked(y.data, y.scale) if isinstance(y, ScaledArray) else y for y in outs]
 
     return batched_rule
-
-
-def _scalar_scale(x: ScaledArray) -> ScaledArray:
-    if np.ndim(x.scale) == 0:
-        return x
-    top = jnp.max(jnp.asarray(x.scale))
-    ratio = jnp.asarray(x.scale).astype(jnp.float32) / top.astype(jnp.float32)
-    return ScaledArray(_mul(x.data, ratio), top)
-
-
-def _rebalance_batch(y: ScaledArray) -> ScaledArray:
-    """A batch of ``ScaledArray`` (scale with a leading batch axis) as one ``ScaledArray``."""
-    scales = jnp.asarray(y.scale)
-    if scales.shape[0] == 0:
-        return ScaledArray(y.data, jnp.ones(scales.shape[1:], scales.dtype))
-    top = jnp.max(scales, axis=0)
-    safe_top = jnp.where(top == 0, 1, top)
-    ratio = jnp.where(top == 0, 1, scales.astype(jnp.float32) / safe_top.astype(jnp.float32))
-    ratio = ratio.reshape((ratio.shape[0],) + (1,) * (y.data.ndim - ratio.ndim) + ratio.shape[1:])
-    return ScaledArray(_mul(y.data, ratio), top)
-
-
-def _mul(data, factor):
-    """``data * factor`` (powers of two), in float32 for narrow dtypes so the product is exact."""
-    if jnp.finfo(data.dtype).bits >= 32:
-        return data * factor.astype(data.dtype)
-    return (data.astype(jnp.float32) * factor.astype(jnp.float32)).astype(data.dtype)
 
 
 # --- under scalify: the user's rule ------------------------------------------------------------
@@ -257,3 +233,10 @@ def _mul(data, factor):
 def scaled_custom_scale_call(*inputs: Any, scale_rule: Callable[..., list], num_consts: int, **params: Any) -> list:
     """The user's scale rule (``jsa.custom_scale`` and ``defscale``)."""
     return scale_rule(*inputs[num_consts:])
+
+
+__all__ = [
+    "custom_scale",
+    "custom_scale_call_p",
+    "scaled_custom_scale_call",
+]

@@ -1,6 +1,6 @@
 """The ``scalify`` transform: trace to a jaxpr, then evaluate it with the scale rules.
 
-Evaluation is equation by equation (design section 4):
+Evaluation is equation by equation:
 
 1. no input is scaled and the primitive is not ``ALWAYS_SCALE`` (nor holds one in a
    sub-jaxpr): the equation is bound as it is;
@@ -36,10 +36,10 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, jaxprs_i
 
 from . import constants, known_pow2
 from . import policy as rescale_policy
-from .array import ScaledArray, check_scalify_inputs, is_floating_dtype, is_scaled_leaf
+from .array import ScaledArray, check_scalify_inputs, is_floating_dtype, is_scaled_leaf, unscaled
 from .policy import RescalePolicy
 from .promotion import AnyScaleArray, promote
-from .registry import ScaledPrimitiveType, find_registered_scaled_op, scalar_preserving_fn
+from .registry import RegisteredRule, ScaledPrimitiveType, registered_rule
 from .vma import match_varying_axes
 
 jax.tree_util.register_pytree_node(
@@ -76,17 +76,6 @@ def observe_equations(observer: EquationObserver):
 
 def _is_tracing_user_code() -> bool:
     return _trace_state.depth > 0
-
-
-def unpromoted_inputs(rule: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator: the scale rule receives its inputs as they are (unscaled ones not promoted).
-
-    For rules of primitives that hold sub-jaxprs (``scan``, ``while``, ``cond``,
-    ``checkpoint``): they pass unscaled inputs into the sub-jaxpr unscaled, so that only the
-    values that meet a scaled one inside it get a scale.
-    """
-    rule._jsa_unpromoted_inputs = True
-    return rule
 
 
 def scalify(
@@ -407,10 +396,10 @@ def _gradients_to_rescale(jaxpr: Jaxpr) -> frozenset:
 
 def _eval_equation(eqn: JaxprEqn, invals: list, in_scalars: list) -> tuple[list, list]:
     prim = eqn.primitive
-    registered = find_registered_scaled_op(prim)
-    rule, scaled_type = registered if registered else (None, ScaledPrimitiveType.FORWARD)
+    entry = registered_rule(prim)
+    scaled_type = entry.scaled_type if entry else ScaledPrimitiveType.FORWARD
     if scaled_type == ScaledPrimitiveType.NEVER:
-        return _bind(eqn, [_unscale(x) for x in invals]), [None] * len(eqn.outvars)
+        return _bind(eqn, [unscaled(x) for x in invals]), [None] * len(eqn.outvars)
     needs_rule = (
         scaled_type == ScaledPrimitiveType.ALWAYS_SCALE
         or any(isinstance(x, ScaledArray) for x in invals)
@@ -419,26 +408,26 @@ def _eval_equation(eqn: JaxprEqn, invals: list, in_scalars: list) -> tuple[list,
     if not needs_rule:
         return _bind(eqn, invals), _propagate_scalars(eqn, in_scalars)
     constants.check_not_lost(eqn)
-    if rule is None:
+    if entry is None:
         raise _missing_rule_error(eqn, invals)
-    if getattr(rule, "_jsa_unpromoted_inputs", False):
+    if entry.unpromoted_inputs:
         inputs = list(invals)
     else:
         inputs = [_promote_if_floating(x, s) for x, s in zip(invals, in_scalars)]
-    outs = rule(*inputs, **eqn.params)
+    outs = entry.rule(*inputs, **eqn.params)
     outs = list(outs) if prim.multiple_results else [outs]
     _check_rule_outputs(eqn, outs)
-    return _keep_any_scale(prim, inputs, outs), [None] * len(outs)
+    return _keep_any_scale(entry, inputs, outs), [None] * len(outs)
 
 
-def _keep_any_scale(prim, inputs: list, outs: list) -> list:
+def _keep_any_scale(entry: RegisteredRule, inputs: list, outs: list) -> list:
     """A scalar-preserving primitive maps a constant 0 or ±inf to a constant 0 or ±inf.
 
     Keeps e.g. ``broadcast_in_dim(convert_element_type(0.0))`` any-scale inside a jitted
     call that received the literal 0.0 as an argument (as ``jnp.where`` does).
     """
     floating = [x for x in inputs if isinstance(x, ScaledArray)]
-    if floating and all(isinstance(x, AnyScaleArray) for x in floating) and scalar_preserving_fn(prim):
+    if floating and all(isinstance(x, AnyScaleArray) for x in floating) and entry.scalar_fn:
         return [AnyScaleArray(o.data, o.scale) if isinstance(o, ScaledArray) else o for o in outs]
     return outs
 
@@ -451,14 +440,20 @@ def _bind(eqn: JaxprEqn, invals: list) -> list:
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
-def _unscale(x):
-    return x.to_array() if isinstance(x, ScaledArray) else x
-
-
 def _promote_if_floating(x, scalar):
     if isinstance(x, ScaledArray) or not hasattr(x, "dtype") or not is_floating_dtype(x.dtype):
         return x
     return promote(x, scalar)
+
+
+def eval_closed_jaxpr(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+    """:func:`eval_scaled_jaxpr` on a closed sub-jaxpr, for the rules of call primitives.
+
+    Plain arguments known at trace time keep their constant-scalar status (see
+    :func:`concrete_scalar`), so constants passed into the sub-jaxpr are still split exactly.
+    """
+    scalars = [None if isinstance(a, ScaledArray) else concrete_scalar(a) for a in args]
+    return eval_scaled_jaxpr(closed.jaxpr, closed.consts, list(args), scalars)
 
 
 def concrete_scalar(value) -> np.ndarray | None:
@@ -480,7 +475,8 @@ def concrete_scalar(value) -> np.ndarray | None:
 
 def _propagate_scalars(eqn: JaxprEqn, in_scalars: list) -> list:
     """Outputs that broadcast a known scalar, for the primitives declared scalar-preserving."""
-    fn = scalar_preserving_fn(eqn.primitive)
+    entry = registered_rule(eqn.primitive)
+    fn = entry.scalar_fn if entry else None
     if fn is None or eqn.primitive.multiple_results or len(in_scalars) != 1 or in_scalars[0] is None:
         return [None] * len(eqn.outvars)
     out = np.asarray(fn(in_scalars[0], **eqn.params))
@@ -490,8 +486,8 @@ def _propagate_scalars(eqn: JaxprEqn, in_scalars: list) -> list:
 @functools.lru_cache(maxsize=4096)
 def _jaxpr_holds_always_scale(jaxpr: Jaxpr) -> bool:
     for eqn in jaxpr.eqns:
-        registered = find_registered_scaled_op(eqn.primitive)
-        if registered and registered[1] == ScaledPrimitiveType.ALWAYS_SCALE:
+        entry = registered_rule(eqn.primitive)
+        if entry and entry.scaled_type == ScaledPrimitiveType.ALWAYS_SCALE:
             return True
         if _holds_always_scale(eqn):
             return True
@@ -521,7 +517,7 @@ def _missing_rule_error(eqn: JaxprEqn, invals: list) -> NotImplementedError:
         f"  inputs: {inputs}\n"
         f"  from:   {_user_location(eqn)}\n"
         "Register one with a decorator (the rule gets ScaledArray inputs and the equation's params):\n"
-        f"    @jsa.core.register_scaled_op(<the '{name}' primitive>)\n"
+        f"    @jax_scalify.extend.register_scaled_op(<the '{name}' primitive>)\n"
         f"    def scaled_{name}(*inputs, **params): ...\n"
         "or compute this part outside scalify, or on plain values with jsa.lax.stop_scaling."
     )

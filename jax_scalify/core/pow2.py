@@ -22,8 +22,14 @@ from .config import Pow2RoundMode, get_scalify_config
 Array = Any
 
 
-def _np_api(x):
-    return np if isinstance(x, (np.ndarray, np.generic, float, int)) else jnp
+def is_numpy(x: Any) -> bool:
+    """A trace-time constant: a NumPy array or scalar, or a Python number (folded in Python, no equation)."""
+    return isinstance(x, (np.ndarray, np.generic, float, int))
+
+
+def numpy_api(*xs: Any) -> Any:
+    """``numpy`` when every input is a trace-time constant (so the result folds), else ``jax.numpy``."""
+    return np if all(is_numpy(x) for x in xs) else jnp
 
 
 def _compute_dtype(dtype) -> np.dtype:
@@ -116,7 +122,7 @@ def pow2_decompose(
         ``scale_dtype``; the mantissa has ``x``'s dtype. ``0`` gives ``(0, 0)``, ``±inf`` gives
         ``(inf, ±1)`` and ``nan`` gives ``(nan, nan)``.
     """
-    npapi = _np_api(x)
+    npapi = numpy_api(x)
     x = npapi.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"pow2_decompose expects a floating array, got dtype {x.dtype}.")
@@ -183,13 +189,13 @@ def pow2_exponent(x: Array) -> Array:
     """
     if _use_bits(x):
         return _bits_exponent(x)
-    npapi = _np_api(x)
+    npapi = numpy_api(x)
     _, exp = _frexp(npapi.asarray(x), npapi)
     return exp - 1
 
 
 def _apply_sign(scale, mantissa):
-    npapi = _np_api(scale)
+    npapi = numpy_api(scale)
     # A select and a negation, not a product: products flush subnormals on CPU.
     signed = npapi.where(mantissa < 0, -scale, scale)
     return signed.astype(mantissa.dtype)

@@ -3,9 +3,10 @@
 A scale rule is a function ``rule(*inputs, **params)`` that receives the equation's
 inputs (``ScaledArray`` for floating inputs, promoted if they were unscaled; plain arrays
 otherwise) and the equation's params, and returns the outputs (``ScaledArray`` or plain
-arrays; a list for multi-output primitives). Registering one is one decorator::
+arrays; a list for multi-output primitives). Registering one is one decorator, which also carries what else the interpreter must know
+about the primitive::
 
-    @jsa.core.register_scaled_op(my_primitive)
+    @jax_scalify.extend.register_scaled_op(my_primitive, scalar_preserving=True)
     def scaled_my_op(x: ScaledArray, *, param) -> ScaledArray:
         ...
 
@@ -40,16 +41,30 @@ class ScaledPrimitiveType(enum.IntEnum):
 
 @dataclasses.dataclass(frozen=True)
 class RegisteredRule:
-    """A registry entry: the rule, when it applies, and a one-line description of its scale logic."""
+    """A registry entry: a primitive's scale rule and everything the interpreter needs to know about it.
+
+    Attributes:
+        primitive: the JAX primitive.
+        rule: ``rule(*inputs, **params)``.
+        scaled_type: when the rule is called (see :class:`ScaledPrimitiveType`).
+        summary: the first line of the rule's docstring (shown in ``docs/operators.md``).
+        unpromoted_inputs: the rule receives unscaled inputs as they are instead of promoted to
+            ``ScaledArray`` (rules of primitives holding sub-jaxprs: only values that meet a
+            scaled one inside get a scale).
+        scalar_fn: for scalar-preserving primitives, ``scalar_fn(scalar, **params)`` maps the
+            scalar of a broadcast constant input to the scalar of the output (NumPy); None
+            otherwise.
+    """
 
     primitive: Primitive
     rule: ScaledRule
     scaled_type: ScaledPrimitiveType
     summary: str
+    unpromoted_inputs: bool = False
+    scalar_fn: Callable[..., Any] | None = None
 
 
 _RULES: dict[Primitive, RegisteredRule] = {}
-_SCALAR_PRESERVING: dict[Primitive, Callable[..., Any]] = {}
 
 
 def _summary_of(rule: ScaledRule) -> str:
@@ -57,12 +72,35 @@ def _summary_of(rule: ScaledRule) -> str:
     return doc.splitlines()[0].strip() if doc else ""
 
 
+def _identity_scalar(scalar: Any, **params: Any) -> Any:
+    return scalar
+
+
+def _scalar_fn(primitive: Primitive, scalar_preserving: bool | Callable[..., Any]) -> Callable[..., Any] | None:
+    if scalar_preserving is True:
+        return _identity_scalar
+    if scalar_preserving is False or scalar_preserving is None:
+        return None
+    if not callable(scalar_preserving):
+        raise TypeError(
+            f"scalar_preserving for '{primitive.name}' must be a bool or a function "
+            f"fn(scalar, **params), got {scalar_preserving!r}."
+        )
+    return scalar_preserving
+
+
 def register_scaled_op(
     primitive: Primitive,
     rule: ScaledRule | None = None,
     scaled_type: ScaledPrimitiveType = ScaledPrimitiveType.FORWARD,
+    *,
+    unpromoted_inputs: bool = False,
+    scalar_preserving: bool | Callable[..., Any] = False,
 ):
     """Register ``rule`` as the scale rule of ``primitive``; usable as a decorator.
+
+    One call holds all that the interpreter knows about the primitive; registering again
+    replaces the whole entry (so user code can override a built-in rule).
 
     Args:
         primitive: a JAX primitive (``jax.extend.core.Primitive``), e.g.
@@ -70,6 +108,13 @@ def register_scaled_op(
         rule: ``rule(*inputs, **params)``; see the module docstring. The first line of its
             docstring is the one-line summary shown in ``docs/operators.md``.
         scaled_type: when the rule is called (see :class:`ScaledPrimitiveType`).
+        unpromoted_inputs: pass unscaled inputs to the rule as they are (plain arrays) instead
+            of promoting floating ones to ``ScaledArray``; for primitives holding sub-jaxprs.
+        scalar_preserving: the primitive maps a broadcast scalar constant to a broadcast scalar
+            (``True``: the same scalar, as layout ops do; or ``fn(scalar, **params)`` computing
+            the output scalar with NumPy). The interpreter then keeps recognising constants
+            such as ``jnp.full(shape, 2.0)`` and splits them exactly into mantissa and
+            power-of-two scale.
 
     Returns:
         The rule (so the decorator leaves the function usable by name).
@@ -79,10 +124,19 @@ def register_scaled_op(
             f"register_scaled_op expects a JAX primitive (jax.extend.core.Primitive), got {primitive!r}."
         )
     if rule is None:
-        return lambda fn: register_scaled_op(primitive, fn, scaled_type)
+        return lambda fn: register_scaled_op(
+            primitive, fn, scaled_type, unpromoted_inputs=unpromoted_inputs, scalar_preserving=scalar_preserving
+        )
     if not callable(rule):
         raise TypeError(f"The scale rule for '{primitive.name}' must be callable, got {rule!r}.")
-    _RULES[primitive] = RegisteredRule(primitive, rule, ScaledPrimitiveType(scaled_type), _summary_of(rule))
+    _RULES[primitive] = RegisteredRule(
+        primitive,
+        rule,
+        ScaledPrimitiveType(scaled_type),
+        _summary_of(rule),
+        unpromoted_inputs=bool(unpromoted_inputs),
+        scalar_fn=_scalar_fn(primitive, scalar_preserving),
+    )
     return rule
 
 
@@ -94,45 +148,46 @@ def lax_primitive(name: str) -> Primitive:
     return prim
 
 
-def register_scaled_lax_op(rule: ScaledRule) -> ScaledRule:
+def register_scaled_lax_op(
+    rule: ScaledRule | None = None,
+    *,
+    scaled_type: ScaledPrimitiveType = ScaledPrimitiveType.FORWARD,
+    unpromoted_inputs: bool = False,
+    scalar_preserving: bool | Callable[..., Any] = False,
+):
     """Decorator: register ``scaled_<name>`` as the rule of the LAX primitive ``<name>_p``.
 
-    Example: ``@register_scaled_lax_op def scaled_add(a, b): ...`` registers it for
-    ``add_p``.
+    ``@register_scaled_lax_op def scaled_add(a, b): ...`` registers it for ``add_p``;
+    ``@register_scaled_lax_op(scalar_preserving=True)`` passes the options of
+    :func:`register_scaled_op`.
     """
-    name = rule.__name__
+    options = dict(scaled_type=scaled_type, unpromoted_inputs=unpromoted_inputs, scalar_preserving=scalar_preserving)
+    if rule is None:
+        return lambda fn: register_scaled_lax_op(fn, **options)
+    name = getattr(rule, "__name__", "")
     if not name.startswith("scaled_"):
         raise ValueError(
             f"register_scaled_lax_op needs a function named 'scaled_<primitive>', got '{name}'. "
             "Use register_scaled_op(primitive, rule) for other names."
         )
-    return register_scaled_op(lax_primitive(name[len("scaled_"):]), rule)
+    primitive = lax_primitive(name[len("scaled_"):])
+    return register_scaled_op(primitive, rule, options.pop("scaled_type"), **options)
 
 
 def find_registered_scaled_op(primitive: Primitive) -> tuple[ScaledRule, ScaledPrimitiveType] | None:
-    """``(rule, scaled_type)`` registered for ``primitive``, or None."""
+    """``(rule, scaled_type)`` registered for ``primitive``, or None (the 0.1 lookup; see :func:`registered_rule`)."""
     entry = _RULES.get(primitive)
     return None if entry is None else (entry.rule, entry.scaled_type)
+
+
+def registered_rule(primitive: Primitive) -> RegisteredRule | None:
+    """The whole registry entry of ``primitive``, or None."""
+    return _RULES.get(primitive)
 
 
 def registered_rules() -> dict[Primitive, RegisteredRule]:
     """A copy of the whole table (for documentation and tests)."""
     return dict(_RULES)
-
-
-def register_scalar_preserving(primitive: Primitive, fn: Callable[..., Any] | None = None):
-    """Declare that ``primitive`` maps a broadcast scalar constant to a broadcast scalar.
-
-    ``fn(scalar, **params)`` computes the output scalar from the input scalar with NumPy
-    (default: the identity, for layout ops such as ``broadcast_in_dim`` or ``reshape``).
-    The interpreter uses this to recognise constants such as ``jnp.full(shape, 2.0)`` and
-    split them exactly into mantissa and power-of-two scale.
-    """
-    _SCALAR_PRESERVING[primitive] = fn or (lambda scalar, **params: scalar)
-
-
-def scalar_preserving_fn(primitive: Primitive) -> Callable[..., Any] | None:
-    return _SCALAR_PRESERVING.get(primitive)
 
 
 def primitive_of(fun: Callable[..., Any], *example_args) -> Primitive:

@@ -1,4 +1,8 @@
-"""Small helpers shared by the scale rules: exact power-of-two rescaling and scale choice.
+"""The scale arithmetic shared by the scale rules (and ``custom_scale``'s batching rule).
+
+Exact power-of-two rescaling, the choice of common scales, and the building blocks that
+several rule families use (values in float32, unit-scaled sums, exact roots, stacked scales).
+Rule modules import from here only; nothing here knows about individual primitives.
 
 Scale arithmetic is kept cheap at trace time: NumPy scales stay NumPy (folded in Python, no
 equation), traced scalar scales are combined with single ``lax`` operations (``jnp.where``
@@ -8,19 +12,22 @@ shortcuts.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import Jaxpr, Primitive
 
-from ..core.array import ScaledArray
-from ..core.config import get_scalify_config
+from ..core.array import ScaledArray, unscaled
+from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.known_pow2 import all_known_pow2, is_known_pow2, mark_pow2
-from ..core.pow2 import pow2_round, pow2_round_up
+from ..core.pow2 import is_numpy, numpy_api, pow2_exponent, pow2_round, pow2_round_down, pow2_round_up
 from ..core.promotion import AnyScaleArray, is_any_scale
 
 Array = Any
+ScaleMap = Callable[[Array], Array]
 
 
 def scale_dtype() -> np.dtype:
@@ -39,11 +46,6 @@ def as_scale(s: Array) -> Array:
     if getattr(s, "dtype", None) == scale_dtype() and not getattr(s, "weak_type", False):
         return s
     return jnp.asarray(s).astype(scale_dtype())
-
-
-def is_numpy(x: Any) -> bool:
-    """A trace-time constant NumPy value (or Python number)."""
-    return isinstance(x, (np.ndarray, np.generic, float, int))
 
 
 def select(pred: Array, on_true: Array, on_false: Array) -> Array:
@@ -126,12 +128,13 @@ def scaled_product(data: Array, a: Array, b: Array, *, divide: bool = False) -> 
     Scale rule: the exact product (quotient) ``p`` of the scales when it lies within
     :func:`scale_bounds`; otherwise the nearest bound ``c``, and the excess ``p / c`` (a power
     of two for power-of-two scales) moves into the data, exactly, so ``data * scale`` is
-    unchanged. Without it the scale silently became inf (``2**120 * 2**20``) or 0, and the
-    value inf or nan. Trace-time (NumPy) scales are always guarded, at no run-time cost.
-    Traced scales are guarded only with ``ScalifyConfig(guard_traced_scales=True)``: five
-    scalar operations and one multiply of the data by ``p / c`` (1 unless the scale left the
-    range), which made the benchmark steps compile 40-85% slower. A zero or non-finite ``p``
-    gives the same values as before (``p / c`` is 0, inf or nan).
+    unchanged. An unguarded scale overflows to inf (``2**120 * 2**20``) or underflows to 0,
+    and the value becomes inf or nan. Trace-time (NumPy) scales are always guarded, at no
+    run-time cost. Traced scales are guarded only with
+    ``ScalifyConfig(guard_traced_scales=True)``: five scalar operations and one multiply of
+    the data by ``p / c`` (1 unless the scale left the range), which makes the benchmark steps
+    compile 40-85% slower. A zero or non-finite ``p`` gives the unguarded values (``p / c`` is
+    0, inf or nan).
 
     ``(a / c) * b`` is exact for normal powers of two: past the top bound ``a >= 2`` (else
     ``a * b <= 2**127``), so ``a / c >= 2**-126``; below the bottom one ``a < 1``, so
@@ -337,28 +340,221 @@ def to_float32_value(x: ScaledArray) -> Array:
     return x.data.astype(work) * jnp.asarray(x.scale).astype(work)
 
 
+# --- building blocks of several rule families ---------------------------------------------
+def widen(data: Array) -> Array:
+    """Data in float32 when its dtype is narrower (16 or 8 bits), else unchanged."""
+    return data.astype(np.float32) if jnp.finfo(data.dtype).bits < 32 else data
+
+
+def scaled_from_value(result: Array, dtype: Any, scale: Array) -> ScaledArray:
+    """A value computed in float32 as a ``ScaledArray`` of data dtype ``dtype`` and ``scale``."""
+    scale = as_scale(scale)
+    if not (is_numpy(scale) and np.all(scale == 1)):
+        result = result / jnp.asarray(scale).astype(result.dtype)
+    return ScaledArray(result.astype(dtype), scale)
+
+
+def value_of(x: Any) -> Array:
+    """Float32 value of a scaled operand (plain operands, e.g. integer exponents, unchanged)."""
+    return to_float32_value(x) if isinstance(x, ScaledArray) else x
+
+
+def unit_scale(scale: Array) -> Array:
+    """Scale 1 whatever the input scale: for maps whose output magnitude does not follow the input's."""
+    return as_scale(1)
+
+
+def scale_capped_at_one(scale: Array) -> Array:
+    """``min(s, 1)``; a zero or non-finite scale gives 1."""
+    s = as_scale(scale)
+    out = as_scale(select((s > 0) & (s < 1), s, as_scale(1)))
+    return mark_pow2(out) if is_known_pow2(s) else out
+
+
+def on_value(prim: Primitive, x: ScaledArray, params: dict, out_scale: ScaleMap) -> ScaledArray:
+    """``prim`` on the value (float32 for narrow data), divided by the output scale, cast back."""
+    return scaled_from_value(prim.bind(to_float32_value(x), **params), x.dtype, out_scale(x.scale))
+
+
+def _pow2_small(t: Array, npapi) -> Array:
+    """``2**t`` for ``t`` in {0, 1, 2}, exactly, in float32."""
+    return npapi.where(t == 0, 1, npapi.where(t == 1, 2, 4)).astype(np.float32)
+
+
+def _snap_pow2(s: Array) -> Array:
+    """The power of two nearest to ``s``, for ``s`` within a few ulps of one (cbrt is not exact)."""
+    return pow2_round_down(s * (1 + 2.0**-8))
+
+
+def exact_root(x: ScaledArray, n: int, data_fn: Callable[[Array], Array], inverse: bool) -> ScaledArray:
+    """``x ** (1/n)`` (``inverse``: ``x ** (-1/n)``) exact on the scale.
+
+    The scale's exponent ``e`` is raised to the next multiple of ``n`` (``t = -e mod n``):
+    data / 2**t, scale * 2**t, so the root of the scale is the exact power of two
+    ``2**((e + t) / n)``. Without rounding (``Pow2RoundMode.NONE``) the root of the scale is
+    taken as it is.
+    """
+    scale = as_scale(x.scale)
+    npapi = numpy_api(scale)
+    root = npapi.sqrt if n == 2 else npapi.cbrt
+    if get_scalify_config().rounding_mode == Pow2RoundMode.NONE:
+        data, out_scale = data_fn(x.data), root(scale)
+    elif npapi is np:
+        t = npapi.remainder(-pow2_exponent(scale), n)
+        factor = _pow2_small(t, npapi)
+        data = data_fn(mul_data(x.data, 1 / factor))
+        out_scale = _snap_pow2(root(scale * factor.astype(scale.dtype)))
+    else:
+        data, out_scale = _traced_root(x, scale, n, data_fn)
+    if inverse:
+        out_scale = 1 / out_scale
+    out_scale = as_scale(out_scale)
+    known = get_scalify_config().rounding_mode != Pow2RoundMode.NONE and is_known_pow2(scale)
+    return ScaledArray(data, mark_pow2(out_scale) if known else out_scale)
+
+
+def _traced_root(x: ScaledArray, scale: Array, n: int, data_fn: Callable[[Array], Array]) -> tuple[Array, Array]:
+    """The rounding branch of :func:`exact_root` for a traced scale, in single ``lax`` operations.
+
+    Same values as the NumPy branch: ``t = -e mod n`` from the exponent's bits, ``2**-t`` applied
+    to the data as an exact constant, and for a square root of a scale known to be a power of
+    two the (then exact) root is not snapped again.
+    """
+    e = pow2_exponent(scale)
+    t = jax.lax.rem(-e, e.dtype.type(n))
+    t = jax.lax.select(t < 0, t + e.dtype.type(n), t)
+    factors, inverses = (1.0, 2.0, 4.0)[:n], (1.0, 0.5, 0.25)[:n]
+    factor, inverse = (as_scale(factors[-1]), as_scale(inverses[-1]))
+    for k in range(n - 2, -1, -1):
+        factor = select(t == k, as_scale(factors[k]), factor)
+        inverse = select(t == k, as_scale(inverses[k]), inverse)
+    data = data_fn(mul_data(x.data, inverse))
+    root = jax.lax.sqrt if n == 2 else jax.lax.cbrt
+    out_scale = root(scale * factor)
+    if not (n == 2 and is_known_pow2(scale)):
+        out_scale = _snap_pow2(out_scale)
+    return data, out_scale
+
+
+def narrow_range(dtype) -> bool:
+    """True for float dtypes with a smaller exponent range than float32 (float16, FP8)."""
+    return jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp
+
+
+def num_elements(shape: Sequence[int], dims: Sequence[int]) -> int:
+    """The number of elements along ``dims`` of ``shape`` (the terms of a reduction over them)."""
+    return int(np.prod([shape[d] for d in dims], dtype=np.int64))
+
+
+def unit_scaled_sum(scale: Array, num_terms: int, reduce: Callable[..., Array], *datas: Array) -> ScaledArray:
+    """``reduce(*datas)`` summing ``num_terms`` terms: scale ``* r``, data ``/ r``.
+
+    ``1/r`` goes on the inputs for narrow-range dtypes (no overflow of the sum), on the output
+    otherwise (cheaper, exact).
+    """
+    r = sqrt_size_pow2(num_terms)
+    inv_r = as_scale(1 / r)
+    if narrow_range(datas[0].dtype):
+        out = reduce(*[mul_data(d, inv_r) for d in datas])
+    else:
+        out = mul_data(reduce(*datas), inv_r)
+    return scaled_product(out, scale, r)
+
+
+def single_binary_reducer(jaxpr: Jaxpr, consts: Sequence[Any]) -> Primitive | None:
+    """The primitive ``p`` if the reducer is exactly ``lambda a, b: p(a, b)``, else None."""
+    if consts or len(jaxpr.eqns) != 1 or len(jaxpr.invars) != 2:
+        return None
+    eqn = jaxpr.eqns[0]
+    if set(eqn.invars) != set(jaxpr.invars) or list(eqn.outvars) != list(jaxpr.outvars):
+        return None
+    return eqn.primitive
+
+
+def with_scalar_scale(x: ScaledArray) -> ScaledArray:
+    """``x`` with a 0-d scale: a broadcast scale is folded into the data, keeping its largest entry."""
+    if np.ndim(x.scale) == 0:
+        return x
+    if np.size(x.scale) == 1:
+        return type(x)(x.data, x.scale.reshape(()))
+    new_scale = np.max(x.scale) if is_numpy(x.scale) else jnp.max(x.scale)
+    return rescale(x, new_scale)
+
+
+def bind_keep_scale(prim: Primitive, x: ScaledArray, *others: Array, **params) -> ScaledArray:
+    """``prim`` bound on the data of ``x`` (then ``others``, plain), the scale of ``x`` kept."""
+    x = with_scalar_scale(x)
+    return ScaledArray(prim.bind(x.data, *others, **params), x.scale)
+
+
+def bind_aligned(prim: Primitive, operands: Sequence[ScaledArray], *others: Array, **params) -> ScaledArray:
+    """``prim`` bound on operands aligned to their largest scale (then ``others``, plain)."""
+    aligned, scale = align_to_largest([with_scalar_scale(x) for x in operands])
+    return ScaledArray(prim.bind(*(x.data for x in aligned), *others, **params), scale)
+
+
+def rebalance_stacked(data: Array, scales: Array) -> ScaledArray:
+    """One ``ScaledArray`` from stacked data (axis 0) with one scale per slice.
+
+    The common scale is the largest; every slice is multiplied by ``its scale / largest``,
+    a power of two at most 1, so values are kept exactly unless they are more than the
+    data dtype's range below the largest slice (then they underflow, as in any tensor
+    with one scale). A largest scale of 0 (all slices asserted zero) keeps the data.
+    """
+    known = is_known_pow2(scales)
+    scales = jnp.asarray(scales)
+    if data.shape[0] == 0:
+        return ScaledArray(data, jnp.ones((), scales.dtype))
+    top = jnp.max(scales)
+    if known:
+        mark_pow2(top)
+    is_zero = top == 0
+    safe_top = select(is_zero, jnp.ones((), top.dtype), top).astype(jnp.float32)
+    ratio = select(is_zero, jnp.ones(scales.shape, jnp.float32), scales.astype(jnp.float32) / safe_top)
+    ratio = ratio.reshape((ratio.shape[0],) + (1,) * (data.ndim - ratio.ndim) + ratio.shape[1:])
+    return ScaledArray(mul_data(data, ratio), top)
+
+
 __all__ = [
     "AnyScaleArray",
+    "ScaleMap",
     "align_to_largest",
     "as_scale",
+    "bind_aligned",
+    "bind_keep_scale",
+    "exact_root",
     "is_any_scale",
     "is_known_pow2",
-    "zero_to_one",
     "is_numpy",
-    "mark_pow2",
     "largest_scale",
+    "mark_pow2",
     "mul_data",
+    "narrow_range",
+    "num_elements",
+    "numpy_api",
+    "on_value",
+    "rebalance_stacked",
     "rescale",
     "round_scale",
     "scale_bounds",
-    "scaled_power",
-    "scaled_product",
+    "scale_capped_at_one",
     "scale_div",
     "scale_dtype",
     "scale_max",
     "scale_min",
     "scale_mul",
+    "scaled_from_value",
+    "scaled_power",
+    "scaled_product",
     "select",
+    "single_binary_reducer",
     "sqrt_size_pow2",
     "to_float32_value",
+    "unit_scale",
+    "unit_scaled_sum",
+    "unscaled",
+    "value_of",
+    "widen",
+    "with_scalar_scale",
+    "zero_to_one",
 ]

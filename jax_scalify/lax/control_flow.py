@@ -9,7 +9,7 @@
   ``debug_print``) receive plain values and return plain values;
 - ``sharding_constraint`` constrains the data and replicates the scalar scale.
 
-These rules take their inputs unpromoted (:func:`~jax_scalify.core.interpreter.unpromoted_inputs`),
+These rules take their inputs unpromoted (``register_scaled_op(..., unpromoted_inputs=True)``),
 so unscaled values stay unscaled inside the sub-jaxprs until they meet a scaled one.
 
 Structure of loop carries and branch outputs: a loop carry must have the same type on
@@ -47,11 +47,18 @@ from jax.experimental import io_callback
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from ..core.array import ScaledArray
-from ..core.interpreter import concrete_scalar, eval_scaled_jaxpr, unpromoted_inputs
+from ..core.interpreter import concrete_scalar, eval_scaled_jaxpr
 from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..core.policy import rescale_loop_carries
 from ..core.registry import ScaledPrimitiveType, lax_primitive, primitive_of, register_scaled_op
-from .base_scaling import align_to_largest, as_scale, mul_data, rescale, scale_dtype, select
+from .base_scaling import (
+    align_to_largest,
+    as_scale,
+    rebalance_stacked,
+    scale_dtype,
+    unscaled,
+    with_scalar_scale,
+)
 
 Array = Any
 
@@ -82,27 +89,16 @@ def _is_scaled(x: Any) -> bool:
     return isinstance(x, ScaledArray)
 
 
-def _plain(x: Any) -> Any:
-    return x.to_array() if isinstance(x, ScaledArray) else x
-
-
 def _is_concrete(x: Any) -> bool:
     """A trace-time constant: NumPy, or a JAX array that is not a tracer."""
     return isinstance(x, (np.ndarray, np.generic)) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
-
-
-def _with_scalar_scale(x: ScaledArray) -> ScaledArray:
-    """``x`` with a scalar scale (a broadcast scale is rebalanced to its maximum)."""
-    if np.ndim(x.scale) == 0:
-        return x
-    return rescale(x, jnp.max(jnp.asarray(x.scale)))
 
 
 def _as_carried(x: Any) -> ScaledArray:
     """``x`` as a ``ScaledArray`` with a scalar scale array of the configured dtype (plain: scale 1)."""
     if not _is_scaled(x):
         return ScaledArray(x, jnp.ones((), scale_dtype()))
-    x = _with_scalar_scale(x)
+    x = with_scalar_scale(x)
     return ScaledArray(x.data, jnp.asarray(as_scale(x.scale)))
 
 
@@ -186,32 +182,10 @@ def _eval_closed(closed: ClosedJaxpr, args: Sequence[Any]) -> list:
 
 
 # --- stacked outputs: per-iteration scales rebalanced to one scalar -------------------------
-def _rebalance_stacked(data: Array, scales: Array) -> ScaledArray:
-    """One ``ScaledArray`` from stacked data (axis 0) with one scale per slice.
-
-    The common scale is the largest; every slice is multiplied by ``its scale / largest``,
-    a power of two at most 1, so values are kept exactly unless they are more than the
-    data dtype's range below the largest slice (then they underflow, as in any tensor
-    with one scale). A largest scale of 0 (all slices asserted zero) keeps the data.
-    """
-    known = is_known_pow2(scales)
-    scales = jnp.asarray(scales)
-    if data.shape[0] == 0:
-        return ScaledArray(data, jnp.ones((), scales.dtype))
-    top = jnp.max(scales)
-    if known:
-        mark_pow2(top)
-    is_zero = top == 0
-    safe_top = select(is_zero, jnp.ones((), top.dtype), top).astype(jnp.float32)
-    ratio = select(is_zero, jnp.ones(scales.shape, jnp.float32), scales.astype(jnp.float32) / safe_top)
-    ratio = ratio.reshape((ratio.shape[0],) + (1,) * (data.ndim - ratio.ndim) + ratio.shape[1:])
-    return ScaledArray(mul_data(data, ratio), top)
-
-
 class _StackedScaledArray(ScaledArray):
     """Scan outputs with one scale per iteration: rebalanced to one scalar scale, per-slice form kept.
 
-    To every rule it is the ``ScaledArray`` of :func:`_rebalance_stacked` (``data``, scalar
+    To every rule it is the ``ScaledArray`` of :func:`rebalance_stacked` (``data``, scalar
     ``scale``); rules build plain ``ScaledArray`` outputs, so the extra form does not
     propagate. A later ``scan`` over it (the backward scan over the forward scan's
     residuals) scans ``slice_data`` and ``slice_scales`` instead, so each iteration sees
@@ -268,14 +242,13 @@ def _merge_ys(flat: Sequence[Any], kinds: Sequence[tuple[str, Any]]) -> list:
             out.append(ScaledArray(next(it), scale))
         else:
             data, scales = next(it), next(it)
-            merged = _rebalance_stacked(data, scales)
+            merged = rebalance_stacked(data, scales)
             out.append(_StackedScaledArray(merged.data, merged.scale, data, scales))
     return out
 
 
 # --- scan ------------------------------------------------------------------------------------
-@register_scaled_op(scan_p)
-@unpromoted_inputs
+@register_scaled_op(scan_p, unpromoted_inputs=True)
 def scaled_scan(
     *args: Any,
     jaxpr: ClosedJaxpr,
@@ -316,7 +289,7 @@ def scaled_scan(
     # Per xs: plain (data, None), scaled (data, scalar scale held constant), or stacked ys of
     # an earlier scan (slices and their scales, both scanned).
     per_slice = [isinstance(x, _StackedScaledArray) and np.shape(x.slice_scales) == (length,) for x in xs]
-    xs = [x if p or not _is_scaled(x) else _with_scalar_scale(x) for x, p in zip(xs, per_slice)]
+    xs = [x if p or not _is_scaled(x) else with_scalar_scale(x) for x, p in zip(xs, per_slice)]
     xs_data = [x.slice_data if p else x.data if _is_scaled(x) else x for x, p in zip(xs, per_slice)]
     xs_scales = [x.slice_scales if p else x.scale if _is_scaled(x) else None for x, p in zip(xs, per_slice)]
     scanned_scales = [s for s, p in zip(xs_scales, per_slice) if p]
@@ -367,8 +340,7 @@ def _mark_stacked_scales(flat: Sequence[Any], kinds: Sequence[tuple[str, Any]], 
 
 
 # --- while -----------------------------------------------------------------------------------
-@register_scaled_op(while_p)
-@unpromoted_inputs
+@register_scaled_op(while_p, unpromoted_inputs=True)
 def scaled_while(
     *args: Any, cond_jaxpr: ClosedJaxpr, body_jaxpr: ClosedJaxpr, cond_nconsts: int, body_nconsts: int
 ) -> list:
@@ -386,7 +358,7 @@ def scaled_while(
     def run(scaled: tuple[bool, ...], owner: object):
         def predicate(carry):
             (pred,) = _eval_closed(cond_jaxpr, [*cond_consts, *carry])
-            return _plain(pred)
+            return unscaled(pred)
 
         def cond_fun(carry_flat):
             carry = _unflatten(carry_flat, scaled)
@@ -432,8 +404,7 @@ def _select_leading(active: Array, on_true: Array, on_false: Array) -> Array:
 
 
 # --- cond / switch ---------------------------------------------------------------------------
-@register_scaled_op(cond_p)
-@unpromoted_inputs
+@register_scaled_op(cond_p, unpromoted_inputs=True)
 def scaled_cond(index: Array, *operands: Any, branches: Sequence[ClosedJaxpr], **params: Any) -> list:
     """Branches scalified; an output scaled in one branch is scaled in all; the taken branch's scale."""
     num_outs = len(branches[0].out_avals)
@@ -453,7 +424,7 @@ def scaled_cond(index: Array, *operands: Any, branches: Sequence[ClosedJaxpr], *
 
             return fun
 
-        return jax.lax.switch(_plain(index), [branch_fun(b) for b in branches])
+        return jax.lax.switch(unscaled(index), [branch_fun(b) for b in branches])
 
     scaled, outs_flat = _fixed_point(run, [False] * num_outs)
     outs = _unflatten(outs_flat, scaled)
@@ -464,8 +435,7 @@ def scaled_cond(index: Array, *operands: Any, branches: Sequence[ClosedJaxpr], *
 
 
 # --- checkpoint / remat ----------------------------------------------------------------------
-@register_scaled_op(remat_p)
-@unpromoted_inputs
+@register_scaled_op(remat_p, unpromoted_inputs=True)
 def scaled_checkpoint(*args: Any, jaxpr: Jaxpr, prevent_cse: bool | tuple, differentiated: bool, policy: Any) -> list:
     """Body scalified inside a checkpoint with the same policy, prevent_cse and differentiated flags."""
     leaves, treedef = jax.tree.flatten(list(args))
@@ -504,7 +474,7 @@ def scaled_checkpoint(*args: Any, jaxpr: Jaxpr, prevent_cse: bool | tuple, diffe
 
 # --- host callbacks --------------------------------------------------------------------------
 def _bind_on_values(prim, args: Sequence[Any], params: dict) -> Any:
-    return prim.bind(*(_plain(a) for a in args), **params)
+    return prim.bind(*(unscaled(a) for a in args), **params)
 
 
 @register_scaled_op(pure_callback_p, scaled_type=ScaledPrimitiveType.NEVER)

@@ -18,14 +18,9 @@ from jax.interpreters import ad, batching, mlir
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import get_scalify_config
 from ..core.registry import ScaledPrimitiveType, register_scaled_op
-from .base_scaling import as_scale, mul_data
+from .base_scaling import as_scale, mul_data, unscaled
 
 Array = Any
-
-
-def _plain(x):
-    """Scale arguments are plain values; the interpreter promoted them like any operand."""
-    return x.to_array() if isinstance(x, ScaledArray) else x
 
 
 def _check_floating(name: str, x) -> None:
@@ -33,7 +28,7 @@ def _check_floating(name: str, x) -> None:
         raise TypeError(f"jsa.lax.{name} expects a floating array, got dtype {jnp.result_type(x)}.")
 
 
-def _scalar_scale(name: str, scale) -> Array:
+def _checked_scale(name: str, scale) -> Array:
     scale = jnp.asarray(scale)
     if scale.ndim != 0 or not is_floating_dtype(scale.dtype):
         raise TypeError(
@@ -80,7 +75,7 @@ def set_scaling(x: Array, scale: Array) -> Array:
     Outside scalify it is the identity.
     """
     _check_floating("set_scaling", x)
-    return set_scaling_p.bind(x, _scalar_scale("set_scaling", scale))
+    return set_scaling_p.bind(x, _checked_scale("set_scaling", scale))
 
 
 _define_identity_with_scale_operand(set_scaling_p)
@@ -89,7 +84,7 @@ _define_identity_with_scale_operand(set_scaling_p)
 @register_scaled_op(set_scaling_p, scaled_type=ScaledPrimitiveType.ALWAYS_SCALE)
 def scaled_set_scaling(x: ScaledArray, scale: Array) -> ScaledArray:
     """Scale set to the given one, data rebalanced (a zero scale gives zero data)."""
-    scale = as_scale(_plain(scale))
+    scale = as_scale(unscaled(scale))
     inv = jnp.where(scale == 0, jnp.zeros_like(scale), 1 / jnp.where(scale == 0, 1, scale))
     data = mul_data(x.data, as_scale(x.scale) * inv)
     return ScaledArray(data, scale)
@@ -198,7 +193,7 @@ def rebalance(x: Array, factor: Array) -> Array:
     scalify it is the identity.
     """
     _check_floating("rebalance", x)
-    return rebalance_p.bind(x, _scalar_scale("rebalance", factor))
+    return rebalance_p.bind(x, _checked_scale("rebalance", factor))
 
 
 _define_identity_with_scale_operand(rebalance_p)
@@ -207,5 +202,22 @@ _define_identity_with_scale_operand(rebalance_p)
 @register_scaled_op(rebalance_p, scaled_type=ScaledPrimitiveType.ALWAYS_SCALE)
 def scaled_rebalance(x: ScaledArray, factor: Array) -> ScaledArray:
     """Data divided by the factor, scale multiplied by it."""
-    factor = as_scale(_plain(factor))
+    factor = as_scale(unscaled(factor))
     return ScaledArray(mul_data(x.data, 1 / factor), as_scale(x.scale) * factor)
+
+
+__all__ = [
+    "get_data_and_scale",
+    "get_data_scale",
+    "get_data_scale_p",
+    "rebalance",
+    "rebalance_p",
+    "scaled_get_data_scale",
+    "scaled_rebalance",
+    "scaled_set_scaling",
+    "scaled_stop_scaling",
+    "set_scaling",
+    "set_scaling_p",
+    "stop_scaling",
+    "stop_scaling_p",
+]

@@ -1,6 +1,6 @@
 """Scale rules of the elementwise arithmetic primitives: add, mul, max, select, comparisons, casts.
 
-Families (design section 5):
+Families:
 
 - sums (``add``, ``sub``, ``add_any``): output scale ``pow2(sqrt(sa**2 + sb**2))``, both
   data rebalanced to it; an any-scale operand (constant 0 or ±inf) takes the other's scale;
@@ -30,36 +30,31 @@ from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.known_pow2 import all_known_pow2, is_known_pow2, mark_pow2
 from ..core.pow2 import pow2_round_positive_or_one
-from ..core.registry import register_scalar_preserving, register_scaled_lax_op, register_scaled_op
+from ..core.registry import register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
     align_to_largest,
     as_scale,
     is_any_scale,
+    is_numpy,
     largest_scale,
     mul_data,
     rescale,
     round_scale,
     scale_max,
     scale_min,
+    scaled_from_value,
     scaled_product,
     select,
-    zero_to_one,
     to_float32_value,
+    value_of,
+    widen,
+    zero_to_one,
 )
 
 Array = Any
 
 
 # --- private helpers -------------------------------------------------------------------------
-def _is_numpy(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, np.generic, float, int))
-
-
-def _npapi(*xs: Any):
-    """NumPy when every input is a NumPy value (so scales fold at trace time), else jax.numpy."""
-    return np if all(_is_numpy(x) for x in xs) else jnp
-
-
 def _data(x: Any) -> Array:
     return x.data if isinstance(x, ScaledArray) else x
 
@@ -67,11 +62,6 @@ def _data(x: Any) -> Array:
 def _bind(prim: Primitive, *operands: Any, **params) -> Array:
     """``prim`` bound on the data of the operands (plain operands as they are)."""
     return prim.bind(*(_data(x) for x in operands), **params)
-
-
-def _widen(data: Array) -> Array:
-    """Data in float32 when its dtype is narrower (16 or 8 bits), else unchanged."""
-    return data.astype(np.float32) if jnp.finfo(data.dtype).bits < 32 else data
 
 
 def _aligned_wide_data(operands: Sequence[ScaledArray]) -> list[Array]:
@@ -82,9 +72,9 @@ def _aligned_wide_data(operands: Sequence[ScaledArray]) -> list[Array]:
     scale = largest_scale(operands)
     out = []
     for x in operands:
-        data = _widen(x.data)
+        data = widen(x.data)
         own = as_scale(x.scale)
-        same = own is scale or (_is_numpy(own) and _is_numpy(scale) and np.array_equal(own, scale))
+        same = own is scale or (is_numpy(own) and is_numpy(scale) and np.array_equal(own, scale))
         out.append(data if is_any_scale(x) or same else mul_data(data, own / scale))
     return out
 
@@ -105,7 +95,7 @@ def _sum_scale(a: ScaledArray, b: ScaledArray) -> Array:
     if is_any_scale(a) or is_any_scale(b):
         return as_scale((b if is_any_scale(a) else a).scale)
     sa, sb = as_scale(a.scale), as_scale(b.scale)
-    if _is_numpy(sa) and _is_numpy(sb):
+    if is_numpy(sa) and is_numpy(sb):
         hi, lo = np.maximum(sa, sb), np.minimum(sa, sb)
         ratio = np.where(hi > 0, lo / np.where(hi > 0, hi, 1), 0)
         scale = round_scale(hi * np.sqrt(1 + ratio * ratio))
@@ -136,19 +126,6 @@ def _scaled_aligned(prim: Primitive, operands: Sequence[Any], params: dict) -> S
     it = iter(aligned)
     inputs = [next(it) if isinstance(x, ScaledArray) else x for x in operands]
     return ScaledArray(_bind(prim, *inputs, **params), scale)
-
-
-def _value_output(result: Array, dtype: Any, scale: Array) -> ScaledArray:
-    """A value computed in float32 as a ``ScaledArray`` of data dtype ``dtype`` and ``scale``."""
-    scale = as_scale(scale)
-    if not (_is_numpy(scale) and np.all(scale == 1)):
-        result = result / jnp.asarray(scale).astype(result.dtype)
-    return ScaledArray(result.astype(dtype), scale)
-
-
-def _value(x: Any) -> Array:
-    """Float32 value of a scaled operand (plain operands, e.g. integer exponents, unchanged)."""
-    return to_float32_value(x) if isinstance(x, ScaledArray) else x
 
 
 # --- sums ------------------------------------------------------------------------------------
@@ -198,13 +175,13 @@ def scaled_rem(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     An any-scale divisor (0 gives nan, ±inf gives a) leaves the output with a's scale.
     """
     scale = a.scale if is_any_scale(b) else b.scale
-    return _value_output(_bind(P.rem_p, _value(a), _value(b), **params), a.dtype, scale)
+    return scaled_from_value(_bind(P.rem_p, value_of(a), value_of(b), **params), a.dtype, scale)
 
 
 @register_scaled_lax_op
 def scaled_pow(a: ScaledArray, b: Any, **params) -> ScaledArray:
     """Scale 1, computed on the values (float32 for narrow data); b may be a plain integer array."""
-    return _value_output(_bind(P.pow_p, _value(a), _value(b), **params), a.dtype, 1)
+    return scaled_from_value(_bind(P.pow_p, value_of(a), value_of(b), **params), a.dtype, 1)
 
 
 @register_scaled_lax_op
@@ -215,7 +192,7 @@ def scaled_atan2(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     whose values over- or underflow float32.
     """
     ya, xa = _aligned_wide_data([a, b])
-    return _value_output(_bind(P.atan2_p, ya, xa, **params), a.dtype, 1)
+    return scaled_from_value(_bind(P.atan2_p, ya, xa, **params), a.dtype, 1)
 
 
 @register_scaled_lax_op
@@ -285,41 +262,6 @@ scaled_le_to = _comparison_rule(P.le_to_p, "total-order ")
 
 
 # --- scale-keeping maps ----------------------------------------------------------------------
-@register_scaled_lax_op
-def scaled_convert_element_type(x: ScaledArray, *, new_dtype: Any, **params) -> Any:
-    """Float to float: data cast, scale kept; to int or bool: plain array from the float32 value.
-
-    Casting the data keeps values outside the new dtype's range (e.g. 2**30 to float16)
-    right, which is the point of FP16/FP8 data with a float32 scale.
-    """
-    if not isinstance(x, ScaledArray):  # int -> float reaches a rule only beside scaled inputs
-        return P.convert_element_type_p.bind(x, new_dtype=new_dtype, **params)
-    if is_floating_dtype(new_dtype):
-        return ScaledArray(_bind(P.convert_element_type_p, x, new_dtype=new_dtype, **params), as_scale(x.scale))
-    return P.convert_element_type_p.bind(to_float32_value(x), new_dtype=new_dtype, **params)
-
-
-@register_scaled_lax_op
-def scaled_reduce_precision(x: ScaledArray, **params) -> ScaledArray:
-    """Scale kept, precision reduced on the data (the simulated format applies to the data)."""
-    return ScaledArray(_bind(P.reduce_precision_p, x, **params), as_scale(x.scale))
-
-
-@register_scaled_lax_op
-def scaled_stop_gradient(x: ScaledArray, **params) -> ScaledArray:
-    """Scale kept; gradient stopped on both the data and the scale."""
-    scale = as_scale(x.scale)
-    if not _is_numpy(scale):
-        scale = mark_pow2(jax.lax.stop_gradient(scale)) if is_known_pow2(scale) else jax.lax.stop_gradient(scale)
-    return ScaledArray(_bind(P.stop_gradient_p, x, **params), scale)
-
-
-@register_scaled_lax_op
-def scaled_copy(x: ScaledArray, **params) -> ScaledArray:
-    """Scale kept, data copied."""
-    return ScaledArray(_bind(P.copy_p, x, **params), as_scale(x.scale))
-
-
 def _convert_scalar(scalar: np.ndarray, *, new_dtype: Any, **params) -> np.ndarray:
     """The converted constant; a float narrowed to a smaller float keeps its exact value.
 
@@ -340,6 +282,66 @@ def _reduce_precision_scalar(scalar: np.ndarray, *, exponent_bits: int, mantissa
     return np.asarray(out)
 
 
-register_scalar_preserving(P.convert_element_type_p, _convert_scalar)
-register_scalar_preserving(P.reduce_precision_p, _reduce_precision_scalar)
-register_scalar_preserving(P.copy_p)
+@register_scaled_lax_op(scalar_preserving=_convert_scalar)
+def scaled_convert_element_type(x: ScaledArray, *, new_dtype: Any, **params) -> Any:
+    """Float to float: data cast, scale kept; to int or bool: plain array from the float32 value.
+
+    Casting the data keeps values outside the new dtype's range (e.g. 2**30 to float16)
+    right, which is the point of FP16/FP8 data with a float32 scale.
+    """
+    if not isinstance(x, ScaledArray):  # int -> float reaches a rule only beside scaled inputs
+        return P.convert_element_type_p.bind(x, new_dtype=new_dtype, **params)
+    if is_floating_dtype(new_dtype):
+        return ScaledArray(_bind(P.convert_element_type_p, x, new_dtype=new_dtype, **params), as_scale(x.scale))
+    return P.convert_element_type_p.bind(to_float32_value(x), new_dtype=new_dtype, **params)
+
+
+@register_scaled_lax_op(scalar_preserving=_reduce_precision_scalar)
+def scaled_reduce_precision(x: ScaledArray, **params) -> ScaledArray:
+    """Scale kept, precision reduced on the data (the simulated format applies to the data)."""
+    return ScaledArray(_bind(P.reduce_precision_p, x, **params), as_scale(x.scale))
+
+
+@register_scaled_lax_op
+def scaled_stop_gradient(x: ScaledArray, **params) -> ScaledArray:
+    """Scale kept; gradient stopped on both the data and the scale."""
+    scale = as_scale(x.scale)
+    if not is_numpy(scale):
+        scale = mark_pow2(jax.lax.stop_gradient(scale)) if is_known_pow2(scale) else jax.lax.stop_gradient(scale)
+    return ScaledArray(_bind(P.stop_gradient_p, x, **params), scale)
+
+
+@register_scaled_lax_op(scalar_preserving=True)
+def scaled_copy(x: ScaledArray, **params) -> ScaledArray:
+    """Scale kept, data copied."""
+    return ScaledArray(_bind(P.copy_p, x, **params), as_scale(x.scale))
+
+
+__all__ = [
+    "scaled_add",
+    "scaled_add_any",
+    "scaled_atan2",
+    "scaled_clamp",
+    "scaled_convert_element_type",
+    "scaled_copy",
+    "scaled_div",
+    "scaled_eq",
+    "scaled_eq_to",
+    "scaled_ge",
+    "scaled_gt",
+    "scaled_le",
+    "scaled_le_to",
+    "scaled_lt",
+    "scaled_lt_to",
+    "scaled_max",
+    "scaled_min",
+    "scaled_mul",
+    "scaled_ne",
+    "scaled_nextafter",
+    "scaled_pow",
+    "scaled_reduce_precision",
+    "scaled_rem",
+    "scaled_select_n",
+    "scaled_stop_gradient",
+    "scaled_sub",
+]

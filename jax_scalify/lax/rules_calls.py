@@ -26,7 +26,7 @@ from jax.extend.core import ClosedJaxpr
 
 from ..core.array import ScaledArray
 from ..core.config import ScalifyConfig, get_scalify_config
-from ..core.interpreter import concrete_scalar, eval_scaled_jaxpr, unpromoted_inputs
+from ..core.interpreter import concrete_scalar, eval_scaled_jaxpr
 from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..core.promotion import AnyScaleArray
 from ..core.registry import lax_primitive, register_scaled_op
@@ -122,8 +122,7 @@ def _is_const_scale(arg) -> bool:
     )
 
 
-@register_scaled_op(jit_p)
-@unpromoted_inputs
+@register_scaled_op(jit_p, unpromoted_inputs=True)
 def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, **params):
     """Sub-jaxpr scalified and re-emitted as a jitted call with the same name and options."""
     constants, const_scales, pow2_scales, dynamic = [], [], [], []
@@ -149,15 +148,23 @@ def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: 
     return outs
 
 
-@register_scaled_op(custom_jvp_call_p)
-@unpromoted_inputs
+@register_scaled_op(custom_jvp_call_p, unpromoted_inputs=True)
 def scaled_custom_jvp_call(*args, call_jaxpr: ClosedJaxpr, **params):
     """Primal computation scalified (derivatives are taken inside scalify, before this)."""
     return _eval_closed(call_jaxpr, args)
 
 
-@register_scaled_op(custom_vjp_call_p)
-@unpromoted_inputs
+@register_scaled_op(custom_vjp_call_p, unpromoted_inputs=True)
 def scaled_custom_vjp_call(*args, call_jaxpr: ClosedJaxpr, **params):
     """Primal computation scalified (derivatives are taken inside scalify, before this)."""
     return _eval_closed(call_jaxpr, args)
+
+
+__all__ = [
+    "custom_jvp_call_p",
+    "custom_vjp_call_p",
+    "jit_p",
+    "scaled_custom_jvp_call",
+    "scaled_custom_vjp_call",
+    "scaled_jit",
+]

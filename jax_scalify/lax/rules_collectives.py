@@ -40,13 +40,12 @@ from jax.extend.core import primitives as P
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 from ..core.array import ScaledArray, is_floating_dtype
-from ..core.interpreter import eval_scaled_jaxpr, unpromoted_inputs
+from ..core.interpreter import eval_scaled_jaxpr
 from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..core.promotion import AnyScaleArray
 from ..core.registry import register_scaled_op
 from ..core.vma import varying_axes
-from .base_scaling import as_scale, is_numpy, mul_data, scale_div, zero_to_one
-from .rules_reduce import _unit_scaled_sum
+from .base_scaling import as_scale, is_numpy, mul_data, scale_div, unit_scaled_sum, zero_to_one
 
 Array = Any
 
@@ -142,7 +141,7 @@ def _scaled_sum_collective(prim: Primitive, x: Any, axes: Sequence, groups: Any,
     if plain is not None:
         return plain
     data, scale = _common_scale(x, axes, groups)
-    return _unit_scaled_sum(scale, _group_size(axes, groups), lambda d: prim.bind(d, **params), data)
+    return unit_scaled_sum(scale, _group_size(axes, groups), lambda d: prim.bind(d, **params), data)
 
 
 @register_scaled_op(psum_p)
@@ -269,8 +268,7 @@ def _sync_output(x: ScaledArray, manual_axes: frozenset, check_vma: bool) -> tup
     return mul_data(x.data, scale_div(scale, common)), common
 
 
-@register_scaled_op(shard_map_p)
-@unpromoted_inputs
+@register_scaled_op(shard_map_p, unpromoted_inputs=True)
 def scaled_shard_map(*args: Any, jaxpr, mesh, in_specs, out_specs, check_vma: bool, newly_manual_axes, **params):
     """Body scalified and re-emitted with jax.shard_map: data with its spec, scalar scales replicated (P()).
 

@@ -1,7 +1,7 @@
 """Scale rules of the indexing primitives: dynamic slices, gather, scatter, sort and top_k.
 
 Indices are integer operands: they arrive plain and are passed through unchanged. The scale
-logic (design section 5):
+logic:
 
 - reading elements (``dynamic_slice``, ``gather``, ``sort``, the values of ``top_k`` and
   ``approx_top_k``) keeps the scale: the primitive is applied to the data;
@@ -23,9 +23,17 @@ from jax.extend.core import Primitive
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
-from ..core.registry import register_scalar_preserving, register_scaled_lax_op
-from .base_scaling import align_to_largest, as_scale, mul_data, rescale, zero_to_one
-from .rules_layout import bind_aligned, bind_keep_scale, with_scalar_scale
+from ..core.registry import register_scaled_lax_op
+from .base_scaling import (
+    align_to_largest,
+    as_scale,
+    bind_aligned,
+    bind_keep_scale,
+    mul_data,
+    rescale,
+    with_scalar_scale,
+    zero_to_one,
+)
 
 Array = Any
 
@@ -46,7 +54,9 @@ def _bind_scatter_aligned(
     return ScaledArray(prim.bind(operand.data, indices, updates.data, **params), scale)
 
 
-@register_scaled_lax_op
+# `dynamic_slice` clamps its indices, so it maps a broadcast scalar to the same scalar. `gather`
+# is not declared: in FILL_OR_DROP mode its output also holds the fill value.
+@register_scaled_lax_op(scalar_preserving=True)
 def scaled_dynamic_slice(operand: ScaledArray, *start_indices: Array, **params) -> ScaledArray:
     """Scale unchanged (dynamic slice applied to the data)."""
     return bind_keep_scale(P.dynamic_slice_p, operand, *start_indices, **params)
@@ -143,10 +153,6 @@ def scaled_approx_top_k(operand: ScaledArray, **params) -> list[Any]:
     """Values keep the scale (approx_top_k applied to the data); indices plain."""
     return _bind_values_indices(P.approx_top_k_p, operand, **params)
 
-
-# `dynamic_slice` clamps its indices, so it maps a broadcast scalar to the same scalar. `gather`
-# is not declared: in FILL_OR_DROP mode its output also holds the fill value.
-register_scalar_preserving(P.dynamic_slice_p)
 
 __all__ = [
     "scaled_approx_top_k",

@@ -1,6 +1,6 @@
 """Scale rules of the layout primitives: reshape, transpose, broadcast, slice, concatenate, pad ...
 
-These primitives move, copy or drop elements without arithmetic, so (design section 5):
+These primitives move, copy or drop elements without arithmetic, so:
 
 - single-operand layout ops are applied to the data and keep the scale;
 - ops that merge several floating operands into one array (``concatenate``, ``pad``) align
@@ -17,7 +17,7 @@ power-of-two scale when it meets a scaled value.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,40 +25,24 @@ from jax.extend.core import Primitive
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
-from ..core.registry import primitive_of, register_scalar_preserving, register_scaled_lax_op, register_scaled_op
-from .base_scaling import align_to_largest, as_scale, is_any_scale, largest_scale, rescale, zero_to_one
+from ..core.registry import primitive_of, register_scaled_lax_op, register_scaled_op
+from .base_scaling import (
+    as_scale,
+    bind_aligned,
+    bind_keep_scale,
+    is_any_scale,
+    largest_scale,
+    numpy_api,
+    rescale,
+    with_scalar_scale,
+    zero_to_one,
+)
 
 Array = Any
 
 # `split` is a primitive since JAX 0.4.36 but `jax.extend` does not export it.
 tile_p: Primitive = primitive_of(lambda x: jnp.tile(x, 2), np.zeros((2,), np.float32))
 split_p: Primitive = primitive_of(lambda x: jnp.split(x, 2), np.zeros((2,), np.float32))
-
-
-def _is_numpy(*values: Any) -> bool:
-    return all(isinstance(v, (np.ndarray, np.generic)) for v in values)
-
-
-def with_scalar_scale(x: ScaledArray) -> ScaledArray:
-    """``x`` with a 0-d scale: a broadcast scale is folded into the data, keeping its largest entry."""
-    if np.ndim(x.scale) == 0:
-        return x
-    if np.size(x.scale) == 1:
-        return type(x)(x.data, x.scale.reshape(()))
-    new_scale = np.max(x.scale) if _is_numpy(x.scale) else jnp.max(x.scale)
-    return rescale(x, new_scale)
-
-
-def bind_keep_scale(prim: Primitive, x: ScaledArray, *others: Array, **params) -> ScaledArray:
-    """``prim`` bound on the data of ``x`` (then ``others``, plain), the scale of ``x`` kept."""
-    x = with_scalar_scale(x)
-    return ScaledArray(prim.bind(x.data, *others, **params), x.scale)
-
-
-def bind_aligned(prim: Primitive, operands: Sequence[ScaledArray], *others: Array, **params) -> ScaledArray:
-    """``prim`` bound on operands aligned to their largest scale (then ``others``, plain)."""
-    aligned, scale = align_to_largest([with_scalar_scale(x) for x in operands])
-    return ScaledArray(prim.bind(*(x.data for x in aligned), *others, **params), scale)
 
 
 def _scale_with_scalar_fill(operand: ScaledArray, fill: ScaledArray) -> Array:
@@ -71,44 +55,44 @@ def _scale_with_scalar_fill(operand: ScaledArray, fill: ScaledArray) -> Array:
     """
     if is_any_scale(fill) or is_any_scale(operand):
         return largest_scale([operand, fill])
-    npapi = np if _is_numpy(fill.data, operand.scale, fill.scale) else jnp
+    npapi = numpy_api(fill.data, operand.scale, fill.scale)
     free = ~npapi.isfinite(fill.data) | (fill.data == 0)
     s_operand, s_fill = as_scale(operand.scale), as_scale(fill.scale)
     scale = npapi.where(free, s_operand, npapi.maximum(s_operand, s_fill))
     return zero_to_one(as_scale(scale))  # all asserted zero: 0 / 0 would poison the data
 
 
-@register_scaled_lax_op
+@register_scaled_lax_op(scalar_preserving=True)
 def scaled_broadcast_in_dim(operand: ScaledArray, *dyn_shape: Array, **params) -> ScaledArray:
     """Scale unchanged (broadcast applied to the data)."""
     return bind_keep_scale(P.broadcast_in_dim_p, operand, *dyn_shape, **params)
 
 
-@register_scaled_lax_op
+@register_scaled_lax_op(scalar_preserving=True)
 def scaled_reshape(operand: ScaledArray, *dyn_shape: Array, **params) -> ScaledArray:
     """Scale unchanged (reshape applied to the data)."""
     return bind_keep_scale(P.reshape_p, operand, *dyn_shape, **params)
 
 
-@register_scaled_lax_op
+@register_scaled_lax_op(scalar_preserving=True)
 def scaled_squeeze(operand: ScaledArray, **params) -> ScaledArray:
     """Scale unchanged (squeeze applied to the data)."""
     return bind_keep_scale(P.squeeze_p, operand, **params)
 
 
-@register_scaled_lax_op
+@register_scaled_lax_op(scalar_preserving=True)
 def scaled_transpose(operand: ScaledArray, **params) -> ScaledArray:
     """Scale unchanged (transpose applied to the data)."""
     return bind_keep_scale(P.transpose_p, operand, **params)
 
 
-@register_scaled_lax_op
+@register_scaled_lax_op(scalar_preserving=True)
 def scaled_slice(operand: ScaledArray, **params) -> ScaledArray:
     """Scale unchanged (slice applied to the data)."""
     return bind_keep_scale(P.slice_p, operand, **params)
 
 
-@register_scaled_lax_op
+@register_scaled_lax_op(scalar_preserving=True)
 def scaled_rev(operand: ScaledArray, **params) -> ScaledArray:
     """Scale unchanged (reversal applied to the data)."""
     return bind_keep_scale(P.rev_p, operand, **params)
@@ -142,9 +126,6 @@ def scaled_pad(operand: ScaledArray, padding_value: ScaledArray, **params) -> Sc
     return ScaledArray(data, scale)
 
 
-for _prim in (P.broadcast_in_dim_p, P.reshape_p, P.squeeze_p, P.transpose_p, P.slice_p, P.rev_p):
-    register_scalar_preserving(_prim)
-
 __all__ = [
     "scaled_broadcast_in_dim",
     "scaled_concatenate",
@@ -154,6 +135,8 @@ __all__ = [
     "scaled_slice",
     "scaled_split",
     "scaled_squeeze",
+    "scaled_tile",
     "scaled_transpose",
     "split_p",
+    "tile_p",
 ]

@@ -1,4 +1,4 @@
-"""Scale rules of the contractions: ``dot_general`` and ``conv_general_dilated`` (design sections 5, 8).
+"""Scale rules of the contractions: ``dot_general`` and ``conv_general_dilated``.
 
 A contraction sums ``K`` products (``K`` the contracted size, the fan-in for a convolution).
 With unit-variance independent operands each output has standard deviation ``sqrt(K)``, so
@@ -28,8 +28,14 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.registry import register_scaled_lax_op
-from .base_scaling import as_scale, mul_data, scale_mul, scaled_product, sqrt_size_pow2
-from .rules_reduce import _narrow_range
+from .base_scaling import (
+    as_scale,
+    mul_data,
+    narrow_range,
+    scale_mul,
+    scaled_product,
+    sqrt_size_pow2,
+)
 
 Array = Any
 
@@ -59,7 +65,7 @@ def _unscale_target(lhs: Array, rhs: Array, out: jax.ShapeDtypeStruct) -> int:
     a tie the output, which never pushes operand values into subnormals.
     """
     candidates = [(_prod(x.shape), where) for where, x in ((_LHS, lhs), (_RHS, rhs)) if _can_take_rescale(x)]
-    if not (candidates and _narrow_range(out.dtype)):
+    if not (candidates and narrow_range(out.dtype)):
         candidates.append((_prod(out.shape), -1))
     _, where = min(candidates)
     return _OUT if where == -1 else where

@@ -4,7 +4,7 @@ Each factorisation is homogeneous in its input: for a power-of-two ``s`` the flo
 algorithm on ``d * s`` does the same operations as on ``d``, every intermediate multiplied
 by a power of ``s`` (pivot and rotation choices compare ratios, which ``s`` leaves
 unchanged). So the primitive is bound on the data with the equation's params, and each
-output gets the power of the input scale it is homogeneous of (exact, design section 5):
+output gets the power of the input scale it is homogeneous of (exact):
 
 - degree 1 (scale ``s_a``): R of QR, singular values, eigenvalues, U of LU, the Schur form,
   the Hessenberg and tridiagonal forms; degree 1/2: the Cholesky factor (an odd exponent
@@ -38,13 +38,17 @@ import numpy as np
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
-from ..core.interpreter import unpromoted_inputs
+from ..core.interpreter import eval_closed_jaxpr
 from ..core.registry import register_scaled_lax_op, register_scaled_op
-from .base_scaling import align_to_largest, as_scale, mul_data, to_float32_value
-from .control_flow import _eval_closed  # shared private helper: sub-jaxpr with known constants
-from .rules_arithmetic import _widen  # shared private helper: float32 for narrow data
-from .rules_layout import with_scalar_scale as _scalar
-from .rules_unary import _root  # shared private helper: exact root of a power-of-two scale
+from .base_scaling import (
+    align_to_largest,
+    as_scale,
+    exact_root,
+    mul_data,
+    to_float32_value,
+    widen,
+    with_scalar_scale,
+)
 
 Array = Any
 
@@ -101,9 +105,9 @@ def scaled_triangular_solve(a: ScaledArray, b: ScaledArray, *, unit_diagonal: bo
     scale with ``a``: the solve uses the value of ``a`` (float32 for narrow data) and the data
     of ``b``, the output keeps ``s_b``.
     """
-    a, b = _scalar(a), _scalar(b)
+    a, b = with_scalar_scale(a), with_scalar_scale(b)
     if unit_diagonal:
-        x = P.triangular_solve_p.bind(to_float32_value(a), _widen(b.data), unit_diagonal=True, **params)
+        x = P.triangular_solve_p.bind(to_float32_value(a), widen(b.data), unit_diagonal=True, **params)
         return ScaledArray(x.astype(b.dtype), as_scale(b.scale))
     x = P.triangular_solve_p.bind(a.data, b.data, unit_diagonal=False, **params)
     return ScaledArray(x, _ratio(b.scale, a.scale))
@@ -112,14 +116,13 @@ def scaled_triangular_solve(a: ScaledArray, b: ScaledArray, *, unit_diagonal: bo
 @register_scaled_lax_op
 def scaled_tridiagonal_solve(dl: ScaledArray, d: ScaledArray, du: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Scale s_b / s_t, the three diagonals aligned to their largest scale s_t, solve on the data."""
-    (dl, d, du), s_t = align_to_largest([_scalar(dl), _scalar(d), _scalar(du)])
-    b = _scalar(b)
+    (dl, d, du), s_t = align_to_largest([with_scalar_scale(dl), with_scalar_scale(d), with_scalar_scale(du)])
+    b = with_scalar_scale(b)
     x = P.tridiagonal_solve_p.bind(dl.data, d.data, du.data, b.data, **params)
     return ScaledArray(x, _ratio(b.scale, s_t))
 
 
-@register_scaled_op(P.linear_solve_p)
-@unpromoted_inputs
+@register_scaled_op(P.linear_solve_p, unpromoted_inputs=True)
 def scaled_custom_linear_solve(*args: Any, const_lengths: Any, jaxprs: Any, **params) -> list:
     """The solve sub-jaxpr scalified on its constants and the right-hand side (as JAX evaluates it).
 
@@ -132,20 +135,20 @@ def scaled_custom_linear_solve(*args: Any, const_lengths: Any, jaxprs: Any, **pa
     offset = const_lengths.matvec + const_lengths.vecmat
     solve_consts = args[offset : offset + const_lengths.solve]
     rhs = args[sum(const_lengths) :]
-    return _eval_closed(jaxprs.solve, [*solve_consts, *rhs])
+    return eval_closed_jaxpr(jaxprs.solve, [*solve_consts, *rhs])
 
 
 # --- factorisations --------------------------------------------------------------------------
 @register_scaled_lax_op
 def scaled_cholesky(a: ScaledArray, **params) -> ScaledArray:
     """Scale sqrt(s_a) exactly (an odd exponent moves a factor 2 into the data), cholesky of the data."""
-    return _root(_scalar(a), 2, lambda d: P.cholesky_p.bind(d, **params), inverse=False)
+    return exact_root(with_scalar_scale(a), 2, lambda d: P.cholesky_p.bind(d, **params), inverse=False)
 
 
 @register_scaled_lax_op
 def scaled_lu(a: ScaledArray, **params) -> list:
     """Packed LU with scale s_a: U (degree 1) as computed, unit-lower L stored / s_a; pivots, permutation plain."""
-    a = _scalar(a)
+    a = with_scalar_scale(a)
     lu, pivots, permutation = _bind(P.lu_p, a.data, **params)
     return [_packed(lu, a.scale, offset=0), pivots, permutation]
 
@@ -153,7 +156,7 @@ def scaled_lu(a: ScaledArray, **params) -> list:
 @register_scaled_lax_op
 def scaled_qr(a: ScaledArray, **params) -> list:
     """Q scale 1, R scale s_a, QR of the data; column pivots (pivoting=True) plain."""
-    a = _scalar(a)
+    a = with_scalar_scale(a)
     q, r, *pivots = _bind(P.qr_p, a.data, **params)
     return [_unit(q), ScaledArray(r, as_scale(a.scale)), *pivots]
 
@@ -161,7 +164,7 @@ def scaled_qr(a: ScaledArray, **params) -> list:
 @register_scaled_lax_op
 def scaled_svd(a: ScaledArray, **params) -> list:
     """Singular values scale s_a, U and V^H scale 1, SVD of the data."""
-    a = _scalar(a)
+    a = with_scalar_scale(a)
     s, *uv = _bind(P.svd_p, a.data, **params)
     return [ScaledArray(s, as_scale(a.scale)), *(_unit(v) for v in uv)]
 
@@ -169,7 +172,7 @@ def scaled_svd(a: ScaledArray, **params) -> list:
 @register_scaled_lax_op
 def scaled_eigh(a: ScaledArray, **params) -> list:
     """Eigenvectors scale 1, eigenvalues scale s_a, eigh of the data."""
-    a = _scalar(a)
+    a = with_scalar_scale(a)
     vectors, values = _bind(P.eigh_p, a.data, **params)
     return [_unit(vectors), ScaledArray(values, as_scale(a.scale))]
 
@@ -177,7 +180,7 @@ def scaled_eigh(a: ScaledArray, **params) -> list:
 @register_scaled_lax_op
 def scaled_eig(a: ScaledArray, **params) -> list:
     """Plain complex outputs (no complex scales): eig of the data, eigenvalues times s_a, eigenvectors as they are."""
-    a = _scalar(a)
+    a = with_scalar_scale(a)
     values, *vectors = _bind(P.eig_p, a.data, **params)
     return [values * jnp.asarray(a.scale).astype(values.dtype), *vectors]
 
@@ -188,7 +191,7 @@ def scaled_schur(a: ScaledArray, *, select_callable: Callable | None, **params) 
 
     A ``select_callable`` picks eigenvalues by their value, so it must see the value of ``a``.
     """
-    a = _scalar(a)
+    a = with_scalar_scale(a)
     if select_callable is not None:
         outs = _on_values(P.schur_p, [a], dict(params, select_callable=select_callable), a.dtype)
         return [_unit(o) for o in outs]
@@ -199,7 +202,7 @@ def scaled_schur(a: ScaledArray, *, select_callable: Callable | None, **params) 
 @register_scaled_lax_op
 def scaled_hessenberg(a: ScaledArray, **params) -> list:
     """Packed Hessenberg form scale s_a, reflectors below the subdiagonal stored / s_a; taus scale 1."""
-    a = _scalar(a)
+    a = with_scalar_scale(a)
     packed, taus = _bind(P.hessenberg_p, a.data, **params)
     return [_packed(packed, a.scale, offset=1), _unit(taus)]
 
@@ -207,7 +210,7 @@ def scaled_hessenberg(a: ScaledArray, **params) -> list:
 @register_scaled_lax_op
 def scaled_tridiagonal(a: ScaledArray, *, lower: bool, **params) -> list:
     """Packed form, diagonal and off-diagonal scale s_a, reflectors stored / s_a; taus scale 1."""
-    a = _scalar(a)
+    a = with_scalar_scale(a)
     packed, d, e, taus = _bind(P.tridiagonal_p, a.data, lower=lower, **params)
     scale = as_scale(a.scale)
     return [_packed(packed, scale, offset=1, lower=lower), ScaledArray(d, scale), ScaledArray(e, scale), _unit(taus)]
@@ -216,7 +219,7 @@ def scaled_tridiagonal(a: ScaledArray, *, lower: bool, **params) -> list:
 @register_scaled_lax_op
 def scaled_householder_product(a: ScaledArray, taus: ScaledArray, **params) -> ScaledArray:
     """Scale 1, computed on the values (float32 for narrow data): the reflectors have an implicit unit entry."""
-    return _unit(_on_values(P.householder_product_p, [_scalar(a), _scalar(taus)], params, a.dtype)[0])
+    return _unit(_on_values(P.householder_product_p, [with_scalar_scale(a), with_scalar_scale(taus)], params, a.dtype)[0])
 
 
 __all__ = [

@@ -22,10 +22,9 @@ from jax.extend.core import ClosedJaxpr
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
-from ..core.interpreter import unpromoted_inputs
+from ..core.interpreter import eval_closed_jaxpr
 from ..core.registry import register_scaled_lax_op
-from .control_flow import _eval_closed  # shared private helper: sub-jaxpr with known constants
-from .rules_layout import with_scalar_scale
+from .base_scaling import with_scalar_scale
 
 Array = Any
 
@@ -76,11 +75,10 @@ def scaled_device_put(
     ]
 
 
-@register_scaled_lax_op
-@unpromoted_inputs
+@register_scaled_lax_op(unpromoted_inputs=True)
 def scaled_closed_call(*args: Any, call_jaxpr: ClosedJaxpr, **params) -> list:
     """Sub-jaxpr evaluated inline by the scalify interpreter (unscaled inputs stay unscaled)."""
-    return _eval_closed(call_jaxpr, args)
+    return eval_closed_jaxpr(call_jaxpr, args)
 
 
 __all__ = ["scaled_closed_call", "scaled_device_put", "scaled_name"]

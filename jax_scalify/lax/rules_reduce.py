@@ -1,4 +1,4 @@
-"""Scale rules of reductions, cumulative ops and windowed reductions (design section 5).
+"""Scale rules of reductions, cumulative ops and windowed reductions.
 
 Sums are unit-scaled: a sum of ``K`` independent unit-variance terms has standard deviation
 ``sqrt(K)``, so the rules move ``r = pow2(sqrt(K))`` from the data into the scale
@@ -24,53 +24,28 @@ scale can express) and ``cumlogsumexp`` are computed on the values, output scale
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr, Primitive
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
-from ..core.registry import register_scalar_preserving, register_scaled_lax_op
+from ..core.registry import register_scaled_lax_op
 from .base_scaling import (
     align_to_largest,
     as_scale,
-    mul_data,
+    num_elements,
     scaled_power,
-    scaled_product,
-    sqrt_size_pow2,
+    single_binary_reducer,
     to_float32_value,
+    unit_scaled_sum,
 )
 
 Array = Any
 
 # --- shared helpers --------------------------------------------------------------------------
-
-
-def _narrow_range(dtype) -> bool:
-    """True for float dtypes with a smaller exponent range than float32 (float16, FP8)."""
-    return jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp
-
-
-def _size(shape: Sequence[int], dims: Sequence[int]) -> int:
-    return int(np.prod([shape[d] for d in dims], dtype=np.int64))
-
-
-def _unit_scaled_sum(scale: Array, num_terms: int, reduce: Callable[..., Array], *datas: Array) -> ScaledArray:
-    """``reduce(*datas)`` summing ``num_terms`` terms: scale ``* r``, data ``/ r``.
-
-    ``1/r`` goes on the inputs for narrow-range dtypes (no overflow of the sum), on the output
-    otherwise (cheaper, exact).
-    """
-    r = sqrt_size_pow2(num_terms)
-    inv_r = as_scale(1 / r)
-    if _narrow_range(datas[0].dtype):
-        out = reduce(*[mul_data(d, inv_r) for d in datas])
-    else:
-        out = mul_data(reduce(*datas), inv_r)
-    return scaled_product(out, scale, r)
 
 
 def _keep_scale(prim: Primitive, x: ScaledArray, **params) -> ScaledArray:
@@ -98,18 +73,18 @@ def scaled_reduce_sum(x: ScaledArray, *, axes: Sequence[int], **params) -> Scale
     Unit scaling: a sum of K unit-variance terms has standard deviation sqrt(K). The 1/r is
     applied to the input for float16/FP8 (the sum cannot overflow), to the output otherwise.
     """
-    return _unit_scaled_sum(
-        x.scale, _size(x.shape, axes), lambda d: P.reduce_sum_p.bind(d, axes=axes, **params), x.data
+    return unit_scaled_sum(
+        x.scale, num_elements(x.shape, axes), lambda d: P.reduce_sum_p.bind(d, axes=axes, **params), x.data
     )
 
 
-@register_scaled_lax_op
+@register_scaled_lax_op(scalar_preserving=True)
 def scaled_reduce_max(x: ScaledArray, **params) -> ScaledArray:
     """Scale unchanged, max of the data (max commutes with a positive scale)."""
     return _keep_scale(P.reduce_max_p, x, **params)
 
 
-@register_scaled_lax_op
+@register_scaled_lax_op(scalar_preserving=True)
 def scaled_reduce_min(x: ScaledArray, **params) -> ScaledArray:
     """Scale unchanged, min of the data (min commutes with a positive scale)."""
     return _keep_scale(P.reduce_min_p, x, **params)
@@ -138,7 +113,7 @@ def scaled_reduce_prod(x: ScaledArray, *, axes: Sequence[int], **params) -> Scal
     """
     work = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
     data = P.reduce_prod_p.bind(x.data.astype(work), axes=axes, **params).astype(x.dtype)
-    return scaled_power(data, x.scale, _size(x.shape, axes))
+    return scaled_power(data, x.scale, num_elements(x.shape, axes))
 
 
 # --- cumulative ops --------------------------------------------------------------------------
@@ -151,18 +126,18 @@ def scaled_cumsum(x: ScaledArray, *, axis: int, **params) -> ScaledArray:
     The last (largest) partial sum has K terms: it is the one unit scaling is chosen for, and
     the early partial sums are smaller, never larger. 1/r placement as in reduce_sum.
     """
-    return _unit_scaled_sum(
+    return unit_scaled_sum(
         x.scale, x.shape[axis], lambda d: P.cumsum_p.bind(d, axis=axis, **params), x.data
     )
 
 
-@register_scaled_lax_op
+@register_scaled_lax_op(scalar_preserving=True)
 def scaled_cummax(x: ScaledArray, **params) -> ScaledArray:
     """Scale unchanged, cumulative max of the data (max commutes with a positive scale)."""
     return _keep_scale(P.cummax_p, x, **params)
 
 
-@register_scaled_lax_op
+@register_scaled_lax_op(scalar_preserving=True)
 def scaled_cummin(x: ScaledArray, **params) -> ScaledArray:
     """Scale unchanged, cumulative min of the data (min commutes with a positive scale)."""
     return _keep_scale(P.cummin_p, x, **params)
@@ -198,7 +173,7 @@ def scaled_reduce_window_sum(x: ScaledArray, *, window_dimensions: Sequence[int]
     Unit scaling of a sum of K terms (padded positions count: they are zeros), 1/r placement as
     in reduce_sum. Sum/average pooling and the gradient of average pooling use it.
     """
-    return _unit_scaled_sum(
+    return unit_scaled_sum(
         x.scale,
         _window_size(window_dimensions),
         lambda d: P.reduce_window_sum_p.bind(d, window_dimensions=window_dimensions, **params),
@@ -216,16 +191,6 @@ def scaled_reduce_window_max(x: ScaledArray, **params) -> ScaledArray:
 def scaled_reduce_window_min(x: ScaledArray, **params) -> ScaledArray:
     """Scale unchanged, windowed min of the data (padding is +inf, which every scale keeps)."""
     return _keep_scale(P.reduce_window_min_p, x, **params)
-
-
-def _single_binary_reducer(jaxpr: Jaxpr, consts: Sequence[Any]) -> Primitive | None:
-    """The primitive ``p`` if the reducer is exactly ``lambda a, b: p(a, b)``, else None."""
-    if consts or len(jaxpr.eqns) != 1 or len(jaxpr.invars) != 2:
-        return None
-    eqn = jaxpr.eqns[0]
-    if set(eqn.invars) != set(jaxpr.invars) or list(eqn.outvars) != list(jaxpr.outvars):
-        return None
-    return eqn.primitive
 
 
 @register_scaled_lax_op
@@ -246,14 +211,14 @@ def scaled_reduce_window(
     def bind(*datas):
         return P.reduce_window_p.bind(*datas, **bind_params)
 
-    reducer = _single_binary_reducer(jaxpr, consts)
+    reducer = single_binary_reducer(jaxpr, consts)
     scaled = len(args) == 2 and all(isinstance(a, ScaledArray) for a in args)
     if scaled and reducer in (P.max_p, P.min_p):
         (operand, init), scale = align_to_largest(args)
         return [ScaledArray(bind(operand.data, init.data)[0], scale)]
     if scaled and reducer is P.add_p:
         (operand, init), scale = align_to_largest(args)
-        out = _unit_scaled_sum(scale, _window_size(window_dimensions), lambda *d: bind(*d)[0], operand.data, init.data)
+        out = unit_scaled_sum(scale, _window_size(window_dimensions), lambda *d: bind(*d)[0], operand.data, init.data)
         return [out]
     outs = bind(*[to_float32_value(a).astype(a.dtype) if isinstance(a, ScaledArray) else a for a in args])
     return [ScaledArray(o, as_scale(1.0)) if is_floating_dtype(o.dtype) else o for o in outs]
@@ -287,7 +252,7 @@ def scaled_select_and_scatter_add(
             src, operand_data, window_dimensions=window_dimensions, window_strides=window_strides, **params
         )
 
-    return _unit_scaled_sum(source.scale, _max_overlap(window_dimensions, window_strides), scatter, source.data)
+    return unit_scaled_sum(source.scale, _max_overlap(window_dimensions, window_strides), scatter, source.data)
 
 
 @register_scaled_lax_op
@@ -300,11 +265,6 @@ def scaled_select_and_gather_add(tangents: ScaledArray, operand: ScaledArray, **
     """
     return ScaledArray(P.select_and_gather_add_p.bind(tangents.data, operand.data, **params), as_scale(tangents.scale))
 
-
-# A broadcast scalar constant stays the same scalar under max/min reductions.
-for _prim in (P.reduce_max_p, P.reduce_min_p, P.cummax_p, P.cummin_p):
-    register_scalar_preserving(_prim)
-del _prim
 
 __all__ = [
     "scaled_argmax",

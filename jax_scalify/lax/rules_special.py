@@ -1,6 +1,6 @@
 """Scale rules of the special functions, random sampling, bitcasts and the generic ``reduce``.
 
-Families (design section 5):
+Families:
 
 - special functions (``bessel_i0e``, ``bessel_i1e``, ``igamma``, ``igammac``,
   ``igamma_grad_a``, ``polygamma``, ``zeta``, ``regularized_incomplete_beta``): non-linear
@@ -28,10 +28,21 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.registry import ScaledPrimitiveType, register_scaled_lax_op, register_scaled_op
-from .base_scaling import align_to_largest, as_scale, to_float32_value
-from .rules_arithmetic import _scaled_sum, _value, _value_output  # shared private helpers
-from .rules_reduce import _single_binary_reducer, _size, _unit_scaled_sum  # shared private helpers
-from .rules_unary import _on_value, _scale_capped_at_one, _unit_scale  # shared private helpers
+from .base_scaling import (
+    align_to_largest,
+    as_scale,
+    num_elements,
+    on_value,
+    scale_capped_at_one,
+    scaled_from_value,
+    single_binary_reducer,
+    to_float32_value,
+    unit_scale,
+    unit_scaled_sum,
+    unscaled,
+    value_of,
+)
+from .rules_arithmetic import scaled_add
 
 Array = Any
 
@@ -40,11 +51,7 @@ Array = Any
 def _on_values(prim, args: Sequence[Any], params: dict) -> ScaledArray:
     """``prim`` on the float32 values of the operands (plain operands as they are), scale 1."""
     dtype = next(a.dtype for a in args if isinstance(a, ScaledArray))
-    return _value_output(prim.bind(*(_value(a) for a in args), **params), dtype, as_scale(1))
-
-
-def _plain(x: Any) -> Array:
-    return x.to_array() if isinstance(x, ScaledArray) else x
+    return scaled_from_value(prim.bind(*(value_of(a) for a in args), **params), dtype, as_scale(1))
 
 
 # Primitives that only select or compare values, or compute on non-floating ones: a
@@ -88,13 +95,13 @@ def _commutes_with_scale(jaxpr: Jaxpr, consts: Sequence[Any]) -> bool:
 @register_scaled_lax_op
 def scaled_bessel_i0e(x: ScaledArray, **params) -> ScaledArray:
     """Scale 1, computed on the value (float32 for narrow data)."""
-    return _on_value(P.bessel_i0e_p, x, params, _unit_scale)
+    return on_value(P.bessel_i0e_p, x, params, unit_scale)
 
 
 @register_scaled_lax_op
 def scaled_bessel_i1e(x: ScaledArray, **params) -> ScaledArray:
     """Scale min(s, 1), computed on the value (float32 for narrow data): i1e(x) ~ x/2 near 0 keeps a small scale."""
-    return _on_value(P.bessel_i1e_p, x, params, _scale_capped_at_one)
+    return on_value(P.bessel_i1e_p, x, params, scale_capped_at_one)
 
 
 @register_scaled_lax_op
@@ -137,13 +144,13 @@ def scaled_regularized_incomplete_beta(a: ScaledArray, b: ScaledArray, x: Scaled
 @register_scaled_op(P.random_gamma_p, scaled_type=ScaledPrimitiveType.NEVER)
 def scaled_random_gamma(key: Array, alpha: Any, **params) -> Array:
     """Plain in and out: samples drawn with the value of alpha (never called by scalify, which binds it on values)."""
-    return P.random_gamma_p.bind(key, _plain(alpha), **params)
+    return P.random_gamma_p.bind(key, unscaled(alpha), **params)
 
 
 @register_scaled_op(P.rng_uniform_p, scaled_type=ScaledPrimitiveType.NEVER)
 def scaled_rng_uniform(a: Any, b: Any, **params) -> Array:
     """Plain in and out: samples drawn between the values of a and b (never called by scalify, which binds it on values)."""
-    return P.rng_uniform_p.bind(_plain(a), _plain(b), **params)
+    return P.rng_uniform_p.bind(unscaled(a), unscaled(b), **params)
 
 
 # --- bitcast ---------------------------------------------------------------------------------
@@ -172,13 +179,13 @@ def scaled_reduce(*args: Any, jaxpr: ClosedJaxpr, dimensions: Sequence[int], **p
         return list(P.reduce_p.bind(*datas, **bind_params))
 
     scaled = [a for a in args if isinstance(a, ScaledArray)]
-    reducer = _single_binary_reducer(jaxpr.jaxpr, jaxpr.consts)
+    reducer = single_binary_reducer(jaxpr.jaxpr, jaxpr.consts)
     if reducer is P.add_p and len(args) == 2 and len(scaled) == 2:
         operand, init = args
-        num_terms = _size(operand.shape, dimensions)
+        num_terms = num_elements(operand.shape, dimensions)
         zero = np.zeros((), operand.dtype)  # add's identity: the init value is added once, after
-        total = _unit_scaled_sum(operand.scale, num_terms, lambda *d: bind(*d)[0], operand.data, zero)
-        return [_scaled_sum(P.add_p, total, init, {})]
+        total = unit_scaled_sum(operand.scale, num_terms, lambda *d: bind(*d)[0], operand.data, zero)
+        return [scaled_add(total, init)]
     if scaled and _commutes_with_scale(jaxpr.jaxpr, jaxpr.consts):
         aligned, scale = align_to_largest(scaled)
         it = iter(aligned)

@@ -1,6 +1,6 @@
 """Scale rules of the unary elementwise primitives.
 
-Families (design section 5):
+Families:
 
 - sign changes (``neg``, ``abs``): data mapped, scale kept;
 - powers (``integer_pow``, ``square``, ``sqrt``, ``rsqrt``, ``cbrt``): exact on the scale,
@@ -26,115 +26,47 @@ from jax.extend.core import Primitive
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
-from ..core.config import Pow2RoundMode, get_scalify_config
-from ..core.pow2 import pow2_exponent, pow2_round_down
-from ..core.registry import register_scalar_preserving, register_scaled_lax_op, register_scaled_op
+from ..core.registry import register_scaled_lax_op, register_scaled_op
 from ..core.known_pow2 import is_known_pow2, mark_pow2
-from .base_scaling import as_scale, mul_data, scaled_power, scaled_product, select, to_float32_value
-from .rules_arithmetic import _is_numpy, _npapi, _value_output, _widen  # shared private helpers
+from .base_scaling import (
+    ScaleMap,
+    as_scale,
+    exact_root,
+    is_numpy,
+    on_value,
+    scale_capped_at_one,
+    scaled_power,
+    scaled_product,
+    select,
+    unit_scale,
+    widen,
+)
 
 Array = Any
-ScaleMap = Callable[[Array], Array]
 
 
 # --- private helpers -------------------------------------------------------------------------
-def _unit_scale(scale: Array) -> Array:
-    return as_scale(1)
-
-
-def _scale_capped_at_one(scale: Array) -> Array:
-    """``min(s, 1)``; a zero or non-finite scale gives 1."""
-    s = as_scale(scale)
-    out = as_scale(select((s > 0) & (s < 1), s, as_scale(1)))
-    return mark_pow2(out) if is_known_pow2(s) else out
-
-
 def _scale_floored_at_one(scale: Array) -> Array:
     """``max(s, 1)``; a non-finite scale gives 1."""
     s = as_scale(scale)
-    finite = np.isfinite(s) if _is_numpy(s) else jax.lax.is_finite(s)
+    finite = np.isfinite(s) if is_numpy(s) else jax.lax.is_finite(s)
     out = as_scale(select(finite & (s > 1), s, as_scale(1)))
     return mark_pow2(out) if is_known_pow2(s) else out
-
-
-def _on_value(prim: Primitive, x: ScaledArray, params: dict, out_scale: ScaleMap) -> ScaledArray:
-    """``prim`` on the value (float32 for narrow data), divided by the output scale, cast back."""
-    return _value_output(prim.bind(to_float32_value(x), **params), x.dtype, out_scale(x.scale))
 
 
 def _on_value_rule(prim: Primitive, out_scale: ScaleMap, doc: str) -> Callable[..., ScaledArray]:
     """Register and return the rule ``scaled_<name>`` computing ``prim`` on the value."""
 
     def rule(x: ScaledArray, **params) -> ScaledArray:
-        return _on_value(prim, x, params, out_scale)
+        return on_value(prim, x, params, out_scale)
 
     rule.__name__ = rule.__qualname__ = f"scaled_{prim.name}"
     rule.__doc__ = doc
     return register_scaled_op(prim, rule)
 
 
-def _pow2_small(t: Array, npapi) -> Array:
-    """``2**t`` for ``t`` in {0, 1, 2}, exactly, in float32."""
-    return npapi.where(t == 0, 1, npapi.where(t == 1, 2, 4)).astype(np.float32)
-
-
-def _snap_pow2(s: Array) -> Array:
-    """The power of two nearest to ``s``, for ``s`` within a few ulps of one (cbrt is not exact)."""
-    return pow2_round_down(s * (1 + 2.0**-8))
-
-
-def _root(x: ScaledArray, n: int, data_fn: Callable[[Array], Array], inverse: bool) -> ScaledArray:
-    """``x ** (1/n)`` (``inverse``: ``x ** (-1/n)``) exact on the scale.
-
-    The scale's exponent ``e`` is raised to the next multiple of ``n`` (``t = -e mod n``):
-    data / 2**t, scale * 2**t, so the root of the scale is the exact power of two
-    ``2**((e + t) / n)``. Without rounding (``Pow2RoundMode.NONE``) the root of the scale is
-    taken as it is.
-    """
-    scale = as_scale(x.scale)
-    npapi = _npapi(scale)
-    root = npapi.sqrt if n == 2 else npapi.cbrt
-    if get_scalify_config().rounding_mode == Pow2RoundMode.NONE:
-        data, out_scale = data_fn(x.data), root(scale)
-    elif npapi is np:
-        t = npapi.remainder(-pow2_exponent(scale), n)
-        factor = _pow2_small(t, npapi)
-        data = data_fn(mul_data(x.data, 1 / factor))
-        out_scale = _snap_pow2(root(scale * factor.astype(scale.dtype)))
-    else:
-        data, out_scale = _traced_root(x, scale, n, data_fn)
-    if inverse:
-        out_scale = 1 / out_scale
-    out_scale = as_scale(out_scale)
-    known = get_scalify_config().rounding_mode != Pow2RoundMode.NONE and is_known_pow2(scale)
-    return ScaledArray(data, mark_pow2(out_scale) if known else out_scale)
-
-
-def _traced_root(x: ScaledArray, scale: Array, n: int, data_fn: Callable[[Array], Array]) -> tuple[Array, Array]:
-    """The rounding branch of :func:`_root` for a traced scale, in single ``lax`` operations.
-
-    Same values as the NumPy branch: ``t = -e mod n`` from the exponent's bits, ``2**-t`` applied
-    to the data as an exact constant, and for a square root of a scale known to be a power of
-    two the (then exact) root is not snapped again.
-    """
-    e = pow2_exponent(scale)
-    t = jax.lax.rem(-e, e.dtype.type(n))
-    t = jax.lax.select(t < 0, t + e.dtype.type(n), t)
-    factors, inverses = (1.0, 2.0, 4.0)[:n], (1.0, 0.5, 0.25)[:n]
-    factor, inverse = (as_scale(factors[-1]), as_scale(inverses[-1]))
-    for k in range(n - 2, -1, -1):
-        factor = select(t == k, as_scale(factors[k]), factor)
-        inverse = select(t == k, as_scale(inverses[k]), inverse)
-    data = data_fn(mul_data(x.data, inverse))
-    root = jax.lax.sqrt if n == 2 else jax.lax.cbrt
-    out_scale = root(scale * factor)
-    if not (n == 2 and is_known_pow2(scale)):
-        out_scale = _snap_pow2(out_scale)
-    return data, out_scale
-
-
 # --- sign changes ----------------------------------------------------------------------------
-@register_scaled_lax_op
+@register_scaled_lax_op(scalar_preserving=lambda scalar, **params: -scalar)
 def scaled_neg(x: ScaledArray, **params) -> ScaledArray:
     """Scale kept, data negated."""
     return ScaledArray(P.neg_p.bind(x.data, **params), as_scale(x.scale))
@@ -160,7 +92,7 @@ def scaled_sign(x: ScaledArray, **params) -> Array:
 def scaled_is_finite(x: ScaledArray, **params) -> Array:
     """Plain bool: is_finite of the data (and of the scale, when it is not a known finite constant)."""
     out = P.is_finite_p.bind(x.data, **params)
-    if _is_numpy(x.scale) and np.all(np.isfinite(x.scale)):
+    if is_numpy(x.scale) and np.all(np.isfinite(x.scale)):
         return out
     return out & jnp.isfinite(x.scale)
 
@@ -188,19 +120,19 @@ def scaled_square(x: ScaledArray, **params) -> ScaledArray:
 @register_scaled_lax_op
 def scaled_sqrt(x: ScaledArray, **params) -> ScaledArray:
     """Scale sqrt(s) exactly (an odd exponent moves a factor 2 into the data), data sqrt(d)."""
-    return _root(x, 2, lambda d: P.sqrt_p.bind(d, **params), inverse=False)
+    return exact_root(x, 2, lambda d: P.sqrt_p.bind(d, **params), inverse=False)
 
 
 @register_scaled_lax_op
 def scaled_rsqrt(x: ScaledArray, **params) -> ScaledArray:
     """Scale 1/sqrt(s) exactly (an odd exponent moves a factor 2 into the data), data rsqrt(d)."""
-    return _root(x, 2, lambda d: P.rsqrt_p.bind(d, **params), inverse=True)
+    return exact_root(x, 2, lambda d: P.rsqrt_p.bind(d, **params), inverse=True)
 
 
 @register_scaled_lax_op
 def scaled_cbrt(x: ScaledArray, **params) -> ScaledArray:
     """Scale cbrt(s) exactly (the exponent's remainder mod 3 moves into the data), data cbrt(d)."""
-    return _root(x, 3, lambda d: P.cbrt_p.bind(d, **params), inverse=False)
+    return exact_root(x, 3, lambda d: P.cbrt_p.bind(d, **params), inverse=False)
 
 
 # --- log -------------------------------------------------------------------------------------
@@ -212,14 +144,14 @@ def scaled_log(x: ScaledArray, **params) -> ScaledArray:
     frexp, exponents added as integers), the result is ``log(m) + E * log(2)``: a large data
     and a small scale cancel exactly, and values near 1 keep their relative accuracy.
     """
-    data = _widen(x.data)
+    data = widen(x.data)
     md, ed = jnp.frexp(data)
-    if _is_numpy(x.scale) and np.ndim(x.scale) == 0:
+    if is_numpy(x.scale) and np.ndim(x.scale) == 0:
         ms, es = np.frexp(np.asarray(x.scale, data.dtype))
         es = np.asarray(es, np.int32)
     else:
         ms, es = jnp.frexp(jnp.asarray(x.scale).astype(data.dtype))
-    if _is_numpy(ms) and ms == 0.5:  # a constant power-of-two scale: frexp(md / 2) is (md, -1) exactly
+    if is_numpy(ms) and ms == 0.5:  # a constant power-of-two scale: frexp(md / 2) is (md, -1) exactly
         m, e = md, np.int32(-1)
     else:
         m, e = jnp.frexp(md * ms)
@@ -234,29 +166,65 @@ def scaled_log(x: ScaledArray, **params) -> ScaledArray:
 _UNIT_DOC = "Scale 1, computed on the value (float32 for narrow data)."
 _CAPPED_DOC = "Scale min(s, 1), computed on the value (float32 for narrow data): f(x) ~ c*x near 0 keeps a small scale."
 
-scaled_exp = _on_value_rule(P.exp_p, _unit_scale, _UNIT_DOC)
-scaled_exp2 = _on_value_rule(P.exp2_p, _unit_scale, _UNIT_DOC)
-scaled_cos = _on_value_rule(P.cos_p, _unit_scale, _UNIT_DOC)
-scaled_cosh = _on_value_rule(P.cosh_p, _unit_scale, _UNIT_DOC)
-scaled_acos = _on_value_rule(P.acos_p, _unit_scale, _UNIT_DOC)
-scaled_acosh = _on_value_rule(P.acosh_p, _unit_scale, _UNIT_DOC)
-scaled_logistic = _on_value_rule(P.logistic_p, _unit_scale, _UNIT_DOC)
-scaled_erfc = _on_value_rule(P.erfc_p, _unit_scale, _UNIT_DOC)
-scaled_lgamma = _on_value_rule(P.lgamma_p, _unit_scale, _UNIT_DOC)
-scaled_digamma = _on_value_rule(P.digamma_p, _unit_scale, _UNIT_DOC)
+scaled_exp = _on_value_rule(P.exp_p, unit_scale, _UNIT_DOC)
+scaled_exp2 = _on_value_rule(P.exp2_p, unit_scale, _UNIT_DOC)
+scaled_cos = _on_value_rule(P.cos_p, unit_scale, _UNIT_DOC)
+scaled_cosh = _on_value_rule(P.cosh_p, unit_scale, _UNIT_DOC)
+scaled_acos = _on_value_rule(P.acos_p, unit_scale, _UNIT_DOC)
+scaled_acosh = _on_value_rule(P.acosh_p, unit_scale, _UNIT_DOC)
+scaled_logistic = _on_value_rule(P.logistic_p, unit_scale, _UNIT_DOC)
+scaled_erfc = _on_value_rule(P.erfc_p, unit_scale, _UNIT_DOC)
+scaled_lgamma = _on_value_rule(P.lgamma_p, unit_scale, _UNIT_DOC)
+scaled_digamma = _on_value_rule(P.digamma_p, unit_scale, _UNIT_DOC)
 
-scaled_log1p = _on_value_rule(P.log1p_p, _scale_capped_at_one, _CAPPED_DOC)
-scaled_expm1 = _on_value_rule(P.expm1_p, _scale_capped_at_one, _CAPPED_DOC)
-scaled_tanh = _on_value_rule(P.tanh_p, _scale_capped_at_one, _CAPPED_DOC)
-scaled_erf = _on_value_rule(P.erf_p, _scale_capped_at_one, _CAPPED_DOC)
-scaled_erf_inv = _on_value_rule(P.erf_inv_p, _scale_capped_at_one, _CAPPED_DOC)
-scaled_sin = _on_value_rule(P.sin_p, _scale_capped_at_one, _CAPPED_DOC)
-scaled_tan = _on_value_rule(P.tan_p, _scale_capped_at_one, _CAPPED_DOC)
-scaled_asin = _on_value_rule(P.asin_p, _scale_capped_at_one, _CAPPED_DOC)
-scaled_atan = _on_value_rule(P.atan_p, _scale_capped_at_one, _CAPPED_DOC)
-scaled_sinh = _on_value_rule(P.sinh_p, _scale_capped_at_one, _CAPPED_DOC)
-scaled_asinh = _on_value_rule(P.asinh_p, _scale_capped_at_one, _CAPPED_DOC)
-scaled_atanh = _on_value_rule(P.atanh_p, _scale_capped_at_one, _CAPPED_DOC)
+scaled_log1p = _on_value_rule(P.log1p_p, scale_capped_at_one, _CAPPED_DOC)
+scaled_expm1 = _on_value_rule(P.expm1_p, scale_capped_at_one, _CAPPED_DOC)
+scaled_tanh = _on_value_rule(P.tanh_p, scale_capped_at_one, _CAPPED_DOC)
+scaled_erf = _on_value_rule(P.erf_p, scale_capped_at_one, _CAPPED_DOC)
+scaled_erf_inv = _on_value_rule(P.erf_inv_p, scale_capped_at_one, _CAPPED_DOC)
+scaled_sin = _on_value_rule(P.sin_p, scale_capped_at_one, _CAPPED_DOC)
+scaled_tan = _on_value_rule(P.tan_p, scale_capped_at_one, _CAPPED_DOC)
+scaled_asin = _on_value_rule(P.asin_p, scale_capped_at_one, _CAPPED_DOC)
+scaled_atan = _on_value_rule(P.atan_p, scale_capped_at_one, _CAPPED_DOC)
+scaled_sinh = _on_value_rule(P.sinh_p, scale_capped_at_one, _CAPPED_DOC)
+scaled_asinh = _on_value_rule(P.asinh_p, scale_capped_at_one, _CAPPED_DOC)
+scaled_atanh = _on_value_rule(P.atanh_p, scale_capped_at_one, _CAPPED_DOC)
 
 
-register_scalar_preserving(P.neg_p, lambda scalar, **params: -scalar)
+__all__ = [
+    "scaled_abs",
+    "scaled_acos",
+    "scaled_acosh",
+    "scaled_asin",
+    "scaled_asinh",
+    "scaled_atan",
+    "scaled_atanh",
+    "scaled_cbrt",
+    "scaled_ceil",
+    "scaled_cos",
+    "scaled_cosh",
+    "scaled_digamma",
+    "scaled_erf",
+    "scaled_erf_inv",
+    "scaled_erfc",
+    "scaled_exp",
+    "scaled_exp2",
+    "scaled_expm1",
+    "scaled_floor",
+    "scaled_integer_pow",
+    "scaled_is_finite",
+    "scaled_lgamma",
+    "scaled_log",
+    "scaled_log1p",
+    "scaled_logistic",
+    "scaled_neg",
+    "scaled_round",
+    "scaled_rsqrt",
+    "scaled_sign",
+    "scaled_sin",
+    "scaled_sinh",
+    "scaled_sqrt",
+    "scaled_square",
+    "scaled_tan",
+    "scaled_tanh",
+]

@@ -1,4 +1,4 @@
-"""Layers with custom scale rules (design section 7, the Scalify paper's appendix C).
+"""Layers with custom scale rules (the Scalify paper's appendix C).
 
 Every function is the plain JAX function outside ``scalify`` (same values and derivative
 as its ``jax.nn`` counterpart) and uses its own scale rule under ``scalify``:

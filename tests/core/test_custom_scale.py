@@ -189,5 +189,5 @@ def test_defscale_needs_a_callable():
 
 
 def test_registered_with_summary():
-    entry = jsa.core.registered_rules()[jsa.core.custom_scale_call_p]
+    entry = jsa.extend.registered_rules()[jsa.extend.custom_scale_call_p]
     assert entry.summary

@@ -84,7 +84,7 @@ def test_integer_and_any_scale_outputs_are_left_alone():
 
     idx, zeros = jsa.scalify(fn)(scaled(X, 4))
     assert not isinstance(idx, jsa.ScaledArray)
-    assert jsa.core.is_any_scale(zeros) or not isinstance(zeros, jsa.ScaledArray) or float(zeros.scale) in (0.0, 1.0)
+    assert jsa.extend.is_any_scale(zeros) or not isinstance(zeros, jsa.ScaledArray) or float(zeros.scale) in (0.0, 1.0)
 
 
 # --- gradients -------------------------------------------------------------------------------
@@ -145,7 +145,7 @@ def test_manual_rescales_compose_with_the_default_policy():
 
 def test_policy_is_active_only_while_scalify_evaluates():
     seen = []
-    with jsa.core.observe_equations(lambda *_: seen.append(policy_module.active_policy())):
+    with jsa.extend.observe_equations(lambda *_: seen.append(policy_module.active_policy())):
         jsa.scalify(lambda a: a * 2.0, policy=jsa.RescalePolicy(norm="max"))(scaled(X, 1))
     assert seen and all(p.norm == "max" for p in seen)
     assert policy_module.active_policy() is policy_module.STATIC_POLICY

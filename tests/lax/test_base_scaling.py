@@ -1,10 +1,11 @@
-"""Helpers of ``jax_scalify.lax.base_scaling``: exact power-of-two multiplies of the data."""
+"""Helpers of ``jax_scalify.lax.base_scaling``: exact power-of-two multiplies of the data, stacked scales."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_scalify.lax.base_scaling import mul_data
+import jax_scalify as jsa
+from jax_scalify.lax.base_scaling import mul_data, numpy_api, rebalance_stacked, unscaled, with_scalar_scale
 
 
 def _every_value(dtype) -> np.ndarray:
@@ -55,3 +56,39 @@ def test_traced_factor_goes_through_float32():
     assert "convert_element_type" in {eqn.primitive.name for eqn in jaxpr.eqns}
     got = np.asarray(jax.jit(lambda x, f: mul_data(x, f))(data, np.float32(2.0**-140)))
     assert_same_bits(got, _through_float32(data, np.float32(2.0**-140)))
+
+
+def test_rebalance_stacked_keeps_every_slice_value_exactly():
+    data = jnp.asarray([[1.5, -1.0], [1.25, 1.75], [1.0, 0.0]], jnp.float16)
+    scales = jnp.asarray([2.0**-3, 2.0**4, 2.0**-20], jnp.float32)
+    out = rebalance_stacked(data, scales)
+    assert out.scale.shape == () and float(out.scale) == 2.0**4
+    expected = np.asarray(data, np.float64) * np.asarray(scales, np.float64)[:, None]
+    np.testing.assert_array_equal(np.asarray(out.to_array(jnp.float32), np.float64), expected)
+
+
+def test_rebalance_stacked_of_zero_scales_and_of_no_slices():
+    data = jnp.asarray([[2.0], [3.0]], jnp.float32)
+    zero = rebalance_stacked(data, jnp.zeros((2,), jnp.float32))
+    assert float(zero.scale) == 0.0
+    np.testing.assert_array_equal(zero.data, data)  # 0 / 0 would have made nan
+    empty = rebalance_stacked(jnp.zeros((0, 3), jnp.float16), jnp.zeros((0,), jnp.float32))
+    assert empty.data.shape == (0, 3) and float(empty.scale) == 1.0
+
+
+def test_with_scalar_scale_folds_a_broadcast_scale_into_the_data():
+    x = jsa.ScaledArray(jnp.asarray([[1.0, 1.0], [1.0, 1.0]], jnp.float32), np.asarray([[0.5], [4.0]], np.float32))
+    out = with_scalar_scale(x)
+    assert np.ndim(out.scale) == 0 and float(out.scale) == 4.0
+    np.testing.assert_array_equal(out.to_array(), x.to_array())
+    scalar = jsa.scaled_array(np.ones(2, np.float32), 2.0)
+    assert with_scalar_scale(scalar) is scalar
+
+
+def test_unscaled_and_numpy_api():
+    x = jsa.scaled_array(np.asarray([1.5], np.float32), 4.0)
+    np.testing.assert_array_equal(unscaled(x), [6.0])
+    plain = jnp.ones(2)
+    assert unscaled(plain) is plain
+    assert numpy_api(np.float32(1), 2.0, np.ones(2)) is np
+    assert numpy_api(np.float32(1), jnp.ones(2)) is jnp

@@ -345,7 +345,7 @@ def test_sharding_constraint_applies_to_data_and_replicates_scale():
 
 
 def test_rules_registered_with_summaries():
-    rules = jsa.core.registered_rules()
+    rules = jsa.extend.registered_rules()
     for prim in [
         control_flow.scan_p,
         control_flow.while_p,

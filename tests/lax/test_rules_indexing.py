@@ -149,7 +149,7 @@ def test_top_k_indices_plain():
 
 
 def test_rules_registered_with_summaries():
-    rules = {prim.name: entry for prim, entry in jsa.core.registered_rules().items()}
+    rules = {prim.name: entry for prim, entry in jsa.extend.registered_rules().items()}
     names = ["dynamic_slice", "dynamic_update_slice", "gather", "scatter", "scatter-add", "scatter-mul"]
     for name in names + ["scatter-min", "scatter-max", "sort", "top_k", "approx_top_k"]:
         assert name in rules and rules[name].summary, name

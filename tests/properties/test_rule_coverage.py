@@ -8,7 +8,7 @@ import importlib
 import pkgutil
 
 import tests
-from jax_scalify.core import registered_rules
+from jax_scalify.extend import registered_rules
 from tests.invariance import primitives_of
 
 # Primitives whose rules are exercised by dedicated tests instead of invariance cases,

@@ -1,0 +1,67 @@
+"""The engine of jax_scalify, for authors of scale rules (as ``jax.extend`` is for JAX's).
+
+Users need none of this: ``jax_scalify`` and its ``ops``, ``nn``, ``tree``, ``quantization``
+and ``analysis`` namespaces hold the user API. A rule author finds here, in one place:
+
+- the registry: :func:`register_scaled_op` (one call with all of a rule's metadata:
+  when it runs, whether its inputs are promoted, whether the primitive preserves broadcast
+  scalars), :func:`register_scaled_lax_op`, :func:`registered_rule`, :class:`RegisteredRule`;
+- the interpreter's entry points: :func:`eval_scaled_jaxpr` and :func:`eval_closed_jaxpr`
+  (a sub-jaxpr evaluated with the rules), :func:`observe_equations`, :func:`concrete_scalar`;
+- promotion and any-scale values: :class:`AnyScaleArray`, :func:`is_any_scale`,
+  :func:`promote`;
+- the scale arithmetic the built-in rules share (from :mod:`jax_scalify.lax.base_scaling`):
+  exact power-of-two rescaling (:func:`rescale`, :func:`mul_data`), common scales
+  (:func:`largest_scale`, :func:`align_to_largest`), scale products kept within range
+  (:func:`scaled_product`, :func:`scaled_power`), values in float32 (:func:`value_of`,
+  :func:`scaled_from_value`), unit-scaled sums and exact roots;
+- ``custom_scale_call_p``, the primitive behind :func:`jax_scalify.custom_scale`.
+
+Example, a rule for a primitive that keeps its operand's scale::
+
+    from jax_scalify import extend as jsx
+
+    @jsx.register_scaled_op(my_p, scalar_preserving=True)
+    def scaled_my_op(x: jsx.ScaledArray, **params) -> jsx.ScaledArray:
+        \"\"\"Scale kept, my_op applied to the data.\"\"\"
+        return jsx.bind_keep_scale(my_p, x, **params)
+"""
+from .core.array import ScaledArray, is_floating_dtype
+from .core.custom_scale import custom_scale_call_p
+from .core.interpreter import concrete_scalar, eval_closed_jaxpr, eval_scaled_jaxpr, observe_equations
+from .core.promotion import promote
+from .core.registry import (
+    RegisteredRule,
+    ScaledPrimitiveType,
+    ScaledRule,
+    find_registered_scaled_op,
+    lax_primitive,
+    primitive_of,
+    register_scaled_lax_op,
+    register_scaled_op,
+    registered_rule,
+    registered_rules,
+)
+from .lax import base_scaling
+from .lax.base_scaling import *  # noqa: F401,F403  (its __all__: the shared scale arithmetic)
+
+__all__ = [
+    "RegisteredRule",
+    "ScaledArray",
+    "ScaledPrimitiveType",
+    "ScaledRule",
+    "concrete_scalar",
+    "custom_scale_call_p",
+    "eval_closed_jaxpr",
+    "eval_scaled_jaxpr",
+    "find_registered_scaled_op",
+    "is_floating_dtype",
+    "lax_primitive",
+    "observe_equations",
+    "primitive_of",
+    "promote",
+    "register_scaled_lax_op",
+    "register_scaled_op",
+    "registered_rule",
+    "registered_rules",
+] + base_scaling.__all__
