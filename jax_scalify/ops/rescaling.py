@@ -459,3 +459,24 @@ def dynamic_rescale_l2_grad(tree: PyTree, **kwargs) -> PyTree:
 def dynamic_rescale_max_grad(tree: PyTree, **kwargs) -> PyTree:
     """:func:`dynamic_rescale_grad` with ``norm="max"`` (maximum absolute value of the cotangent)."""
     return dynamic_rescale_grad(tree, "max", **kwargs)
+
+
+__all__ = [
+    "dynamic_rescale",
+    "dynamic_rescale_grad",
+    "dynamic_rescale_l1",
+    "dynamic_rescale_l1_grad",
+    "dynamic_rescale_l2",
+    "dynamic_rescale_l2_grad",
+    "dynamic_rescale_max",
+    "dynamic_rescale_max_grad",
+    "dynamic_rescale_p",
+    "l1_norm",
+    "l2_norm",
+    "max_norm",
+    "on_backward",
+    "rescale_scaled_array",
+    "rescale_scaled_arrays",
+    "scaled_dynamic_rescale",
+    "strided_sample",
+]
