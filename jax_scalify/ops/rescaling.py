@@ -182,48 +182,41 @@ def rescale_scaled_array(x: ScaledArray, norm: Norm = "l2", sample_size: int | N
     return out
 
 
-def _row_statistics(rows: Array, sizes: np.ndarray, norm: str) -> Array:
-    """Per row: the statistic ``norm`` of its first ``sizes[i]`` elements (zero padding changes none of them)."""
-    magnitudes = jnp.abs(rows)
-    top = jnp.max(magnitudes, axis=1)
+def _one_pass_statistic(data: Array, norm: str) -> Array:
+    """The statistic ``norm`` of float32 ``data`` in one pass over it: no reduction depends on another.
+
+    The L2 and L1 statistics sum the data at three fixed power-of-two scalings (exact
+    multiplications) and keep the sum that neither overflowed nor lost the values to
+    underflow: enough range for every float32 value, in independent reductions that XLA
+    fuses into one pass, and, on sharded data, into one all-reduce (instead of a maximum
+    followed by a normalised sum: two dependent all-reduces).
+    """
+    magnitudes = jnp.abs(data)
     if norm == "max":
-        return top
-    m = _pow2_normaliser(top)
-    normed = magnitudes / m[:, None]
-    if norm == "l1":
-        return m * (jnp.sum(normed, axis=1) / sizes)
-    return m * jnp.sqrt(jnp.sum(jnp.square(normed), axis=1) / sizes)
+        return jnp.max(magnitudes)
+    n = np.float32(data.size)
+    power = 2 if norm == "l2" else 1
+    down, up = np.float32(2.0**-60), np.float32(2.0**60)
+    scalings = np.array([1.0, 2.0**-60, 2.0**60], np.float32).reshape((3,) + (1,) * data.ndim)
+    sums = jnp.sum(jnp.power(magnitudes[None] * scalings, power), axis=tuple(range(1, data.ndim + 1))) / n
+    middle, large, small = jnp.sqrt(sums) if norm == "l2" else sums
+    return jnp.where(
+        ~jnp.isfinite(middle), large * up, jnp.where(middle < np.float32(2.0**-40), small * down, middle)
+    )
 
 
-def _pow2_normaliser(top: Array) -> Array:
-    """The power of two at or below ``top`` (1 where ``top`` is 0 or not finite): dividing by it is exact."""
-    if np.dtype(top.dtype) != np.float32:
-        m = pow2_round_down(top)
-        return jnp.where(jnp.isfinite(m) & (m > 0), m, jnp.ones_like(m))
-    e = _biased_exponent(top)
-    return _from_biased_exponent(jnp.where((e >= 1) & (e <= 254), e, _F32_BIAS))
-
-
-def _explicitly_sharded(x: Array) -> bool:
-    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
-    return mesh is not None and not mesh.empty and jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
-
-
-def _batch_statistics(samples: list[Array], norm: str, work, stack: bool) -> Array:
+def _batch_statistics(samples: list[Array], norm: Norm, work, one_pass: bool) -> Array:
     """The statistic of each sample, as one vector.
 
-    The samples are flattened, zero-padded and stacked into one matrix reduced row by row
-    (two reductions for the whole batch, a few kernels to compile); under explicit sharding,
-    where samples of differently sharded tensors cannot be stacked, or without ``stack``
-    (whole tensors, which stacking would copy), each is reduced on its own.
+    With ``one_pass`` (samples of the policy's statistics, float32) each is
+    :func:`_one_pass_statistic`: independent reductions that XLA combines, one all-reduce
+    per batch on sharded data (stacking the samples into one matrix would all-gather
+    each sharded one). Otherwise each is the exact statistic of :func:`dynamic_rescale`.
     """
-    if not stack or callable(norm) or norm not in ("l1", "l2", "max") or any(_explicitly_sharded(d) for d in samples):
-        norm_fn = _norm_fn(norm)
-        return jnp.stack([norm_fn(d.astype(work)) for d in samples])
-    flat = [d.reshape(-1).astype(work) for d in samples]
-    length = max(d.size for d in flat)
-    rows = jnp.stack([jnp.pad(d, (0, length - d.size)) for d in flat])
-    return _row_statistics(rows, np.array([d.size for d in flat], work), norm)
+    if one_pass and not callable(norm) and np.dtype(work) == np.float32:
+        return jnp.stack([_one_pass_statistic(d.astype(work), norm) for d in samples])
+    norm_fn = _norm_fn(norm)
+    return jnp.stack([norm_fn(d.astype(work)) for d in samples])
 
 
 def rescale_scaled_arrays(
@@ -249,7 +242,7 @@ def rescale_scaled_arrays(
         return [rescale_scaled_array(x, norm, sample_size) for x in xs]
     samples = [strided_sample(jax.lax.stop_gradient(x.data), sample_size) for x in xs]
     work = np.float64 if any(np.dtype(d.dtype) == np.float64 for d in samples) else np.float32
-    stats = _batch_statistics(samples, norm, work, stack=sample_size is not None)
+    stats = _batch_statistics(samples, norm, work, one_pass=sample_size is not None)
     scales = jnp.stack([jnp.asarray(as_scale(x.scale)) for x in xs])
     if min_scale is None and _exponent_path(stats, scales, mode):
         inverses, new_scales = _pow2_rescale_exponents(stats, scales, mode == Pow2RoundMode.UP)
