@@ -21,7 +21,7 @@ from .custom_scale import custom_scale, custom_scale_call_p
 from .interpreter import eval_scaled_jaxpr, observe_equations, scalify, unpromoted_inputs
 from .policy import RescalePolicy
 from .pow2 import get_mantissa, pow2_decompose, pow2_exponent, pow2_round, pow2_round_down, pow2_round_up
-from .promotion import AnyScaleArray, is_any_scale
+from .promotion import any_scale_array, is_any_scale
 from .registry import (
     RegisteredRule,
     ScaledPrimitiveType,
@@ -44,7 +44,6 @@ def __getattr__(name: str):
 
 
 __all__ = compat.__all__ + [
-    "AnyScaleArray",
     "debug_callback",
     "Pow2RoundMode",
     "RegisteredRule",
@@ -53,6 +52,7 @@ __all__ = compat.__all__ + [
     "ScaledPrimitiveType",
     "ScalifyConfig",
     "as_scaled_array",
+    "any_scale_array",
     "asarray",
     "custom_scale",
     "custom_scale_call_p",

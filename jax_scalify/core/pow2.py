@@ -22,6 +22,18 @@ from .config import Pow2RoundMode, get_scalify_config
 Array = Any
 
 
+def scales_are_pow2() -> bool:
+    """Whether every scale is a power of two (or 0, inf, nan) by contract: True unless rounding is off.
+
+    ``ScaledArray`` rejects a concrete scale that is not 0 or a positive power of two, and
+    the rules round every scale they compute, so the rules may use exact shortcuts (the
+    scale of a sum of two power-of-two scales rounded down is the larger one). Under
+    ``Pow2RoundMode.NONE`` scales are whatever the rules compute, and the rules take their
+    general formulas. A traced scale given by the user is trusted to honour the contract.
+    """
+    return get_scalify_config().rounding_mode != Pow2RoundMode.NONE
+
+
 def _np_api(x):
     return np if isinstance(x, (np.ndarray, np.generic, float, int)) else jnp
 

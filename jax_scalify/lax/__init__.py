@@ -131,22 +131,18 @@ from .rules_unary import (
     scaled_tanh,
 )
 
-# Control flow, checkpoint, callbacks and sharding constraints.
-from .control_flow import (
-    scaled_checkpoint,
-    scaled_cond,
-    scaled_debug_callback,
-    scaled_debug_print,
-    scaled_io_callback,
-    scaled_pure_callback,
-    scaled_scan,
-    scaled_sharding_constraint,
-    scaled_while,
-)
+# Calls, control flow and checkpoint.
+from .rules_calls import scaled_closed_call
+from .control_flow import scaled_checkpoint, scaled_cond, scaled_scan, scaled_while
 
-# Special functions, random sampling, bitcast, generic reduce; name, device_put, closed_call.
+# Host callbacks and sharding constraints.
+from . import rules_callbacks, rules_sharding  # noqa: F401  (registers rules)
+from .rules_callbacks import scaled_debug_callback, scaled_debug_print, scaled_io_callback, scaled_pure_callback
+from .rules_sharding import scaled_sharding_constraint
+
+# Special functions, random sampling, bitcast, generic reduce; name, device_put.
 from . import rules_misc, rules_special  # noqa: F401  (registers rules)
-from .rules_misc import scaled_closed_call, scaled_device_put, scaled_name
+from .rules_misc import scaled_device_put, scaled_name
 from .rules_special import (
     scaled_bessel_i0e,
     scaled_bessel_i1e,

@@ -2,8 +2,8 @@
 
 Scale arithmetic is kept cheap at trace time: NumPy scales stay NumPy (folded in Python, no
 equation), traced scalar scales are combined with single ``lax`` operations (``jnp.where``
-and friends wrap a nested ``jit`` per call), and the helpers that build a scale from power-of-two
-scales mark it as such (:mod:`jax_scalify.core.known_pow2`) so that later rules can take exact
+and friends wrap a nested ``jit`` per call). Every scale is a power of two by contract unless
+rounding is off (:func:`~jax_scalify.core.pow2.scales_are_pow2`), which lets rules take exact
 shortcuts.
 """
 from __future__ import annotations
@@ -16,9 +16,8 @@ from jax import lax
 
 from ..core.array import ScaledArray
 from ..core.config import get_scalify_config
-from ..core.known_pow2 import all_known_pow2, is_known_pow2, mark_pow2
 from ..core.pow2 import pow2_round, pow2_round_up
-from ..core.promotion import AnyScaleArray, is_any_scale
+from ..core.promotion import any_scale_array, is_any_scale
 
 Array = Any
 
@@ -31,8 +30,8 @@ def scale_dtype() -> np.dtype:
 def as_scale(s: Array) -> Array:
     """``s`` in the configured scale dtype (NumPy stays NumPy, so constants fold at trace time).
 
-    A JAX scale already of that dtype is returned as it is (same object, so its
-    known-power-of-two mark is kept).
+    A JAX scale already of that dtype is returned as it is (same object, so rules can tell
+    that two operands share one scale).
     """
     if isinstance(s, (np.ndarray, np.generic, float, int)):
         return np.asarray(s, scale_dtype())
@@ -80,13 +79,12 @@ def scale_min(a: Array, b: Array) -> Array:
 
 
 def scale_mul(*scales: Array) -> Array:
-    """Product of scales in the scale dtype; marked a power of two when every factor is one.
+    """Product of scales in the scale dtype (a power of two when every factor is one).
 
     NumPy factors are multiplied first (in Python), so ``sa * sb * r`` with a NumPy ``r``
     emits at most two equations.
     """
     scales = [as_scale(s) for s in scales]
-    known = all_known_pow2(*scales)
     consts = [s for s in scales if is_numpy(s)]
     traced = [s for s in scales if not is_numpy(s)]
     const = np.asarray(np.prod(np.stack(np.broadcast_arrays(*consts)), axis=0), scale_dtype()) if consts else None
@@ -97,17 +95,15 @@ def scale_mul(*scales: Array) -> Array:
         out = out * s
     if const is not None and not (np.ndim(const) == 0 and const == 1):
         out = out * const
-    out = as_scale(out)
-    return mark_pow2(out) if known else out
+    return as_scale(out)
 
 
 def scale_div(a: Array, b: Array) -> Array:
-    """``a / b`` in the scale dtype; marked a power of two when both are."""
+    """``a / b`` in the scale dtype (a power of two when both are)."""
     a, b = as_scale(a), as_scale(b)
     if is_numpy(b) and np.ndim(b) == 0 and b == 1:
         return a
-    out = as_scale(a / b)
-    return mark_pow2(out) if all_known_pow2(a, b) else out
+    return as_scale(a / b)
 
 
 def scale_bounds() -> tuple[np.ndarray, np.ndarray]:
@@ -149,8 +145,6 @@ def scaled_product(data: Array, a: Array, b: Array, *, divide: bool = False) -> 
     bounded = as_scale(lax.clamp(lo, p, hi))
     excess = (a / bounded) / b if divide else (a / bounded) * b
     excess = lax.select(p == bounded, lax.full_like(excess, 1), excess)
-    if is_known_pow2(p):
-        mark_pow2(bounded)
     return ScaledArray(mul_data(data, excess), bounded)
 
 
@@ -183,13 +177,9 @@ def scaled_power(data: Array, scale: Array, y: int) -> ScaledArray:
         with np.errstate(over="ignore", divide="ignore", under="ignore"):
             exact = np.power(np.asarray(scale, np.float64), y)
         return _bounded_numpy(data, exact, lambda: as_scale(exact))
-    known = is_known_pow2(scale)
     if y == 0 or abs(y) > 4 or not get_scalify_config().guard_traced_scales:
-        out = as_scale(lax.integer_pow(scale, y))
-        return ScaledArray(data, mark_pow2(out) if known else out)
+        return ScaledArray(data, as_scale(lax.integer_pow(scale, y)))
     base = scale if y > 0 else as_scale(1 / scale)
-    if known:
-        mark_pow2(base)
     out = ScaledArray(data, base)
     for _ in range(abs(y) - 1):
         out = scaled_product(out.data, out.scale, base)
@@ -264,10 +254,9 @@ def zero_to_one(scale: Array) -> Array:
     """``scale`` with 0 replaced by 1: a common scale that can hold a non-zero value.
 
     A zero common scale means every operand was asserted zero; rescaling to it would compute
-    ``0 / 0``. Keeps the power-of-two mark (1 is a power of two).
+    ``0 / 0``.
     """
-    out = select(scale == 0, np.ones(np.shape(scale), scale.dtype), scale)
-    return mark_pow2(out) if is_known_pow2(scale) else out
+    return select(scale == 0, np.ones(np.shape(scale), scale.dtype), scale)
 
 
 def _is_trace_time_constant(x: ScaledArray) -> bool:
@@ -302,8 +291,7 @@ def _fitting_scale(x: ScaledArray) -> np.ndarray:
 def largest_scale(operands: Sequence[ScaledArray]) -> Array:
     """The largest scale among the operands that have one (any-scale operands skipped).
 
-    Operands sharing one scale object count once (no ``max(s, s)`` equation); the result is
-    marked a power of two when every scale is one. If the largest of several scales is 0
+    Operands sharing one scale object count once (no ``max(s, s)`` equation). If the largest of several scales is 0
     (every operand asserted zero) the result is 1, so rescaling to it gives 0 rather than
     ``0 / 0``. Next to other operands, a trace-time constant counts with the smallest
     power-of-two scale at which it fits its data dtype (see :func:`_fitting_scale`).
@@ -322,7 +310,7 @@ def largest_scale(operands: Sequence[ScaledArray]) -> Array:
         out = scale_max(out, s)
     if len(scales) > 1:
         out = zero_to_one(out)
-    return mark_pow2(out) if all_known_pow2(*scales) else out
+    return out
 
 
 def align_to_largest(operands: Sequence[ScaledArray]) -> tuple[list[ScaledArray], Array]:
@@ -338,14 +326,12 @@ def to_float32_value(x: ScaledArray) -> Array:
 
 
 __all__ = [
-    "AnyScaleArray",
     "align_to_largest",
+    "any_scale_array",
     "as_scale",
     "is_any_scale",
-    "is_known_pow2",
     "zero_to_one",
     "is_numpy",
-    "mark_pow2",
     "largest_scale",
     "mul_data",
     "rescale",

@@ -44,7 +44,7 @@ def with_scalar_scale(x: ScaledArray) -> ScaledArray:
     if np.ndim(x.scale) == 0:
         return x
     if np.size(x.scale) == 1:
-        return type(x)(x.data, x.scale.reshape(()))
+        return ScaledArray.unchecked(x.data, x.scale.reshape(()), any_scale=x.any_scale)
     new_scale = np.max(x.scale) if _is_numpy(x.scale) else jnp.max(x.scale)
     return rescale(x, new_scale)
 

@@ -41,7 +41,7 @@ from ..core.array import ScaledArray
 from ..core.interpreter import unpromoted_inputs
 from ..core.registry import register_scaled_lax_op, register_scaled_op
 from .base_scaling import align_to_largest, as_scale, mul_data, to_float32_value
-from .control_flow import _eval_closed  # shared private helper: sub-jaxpr with known constants
+from .subjaxpr import eval_closed
 from .rules_arithmetic import _widen  # shared private helper: float32 for narrow data
 from .rules_layout import with_scalar_scale as _scalar
 from .rules_unary import _root  # shared private helper: exact root of a power-of-two scale
@@ -132,7 +132,7 @@ def scaled_custom_linear_solve(*args: Any, const_lengths: Any, jaxprs: Any, **pa
     offset = const_lengths.matvec + const_lengths.vecmat
     solve_consts = args[offset : offset + const_lengths.solve]
     rhs = args[sum(const_lengths) :]
-    return _eval_closed(jaxprs.solve, [*solve_consts, *rhs])
+    return eval_closed(jaxprs.solve, [*solve_consts, *rhs])
 
 
 # --- factorisations --------------------------------------------------------------------------

@@ -27,9 +27,8 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
 from ..core.config import Pow2RoundMode, get_scalify_config
-from ..core.pow2 import pow2_exponent, pow2_round_down
+from ..core.pow2 import pow2_exponent, pow2_round_down, scales_are_pow2
 from ..core.registry import register_scalar_preserving, register_scaled_lax_op, register_scaled_op
-from ..core.known_pow2 import is_known_pow2, mark_pow2
 from .base_scaling import as_scale, mul_data, scaled_power, scaled_product, select, to_float32_value
 from .rules_arithmetic import _is_numpy, _npapi, _value_output, _widen  # shared private helpers
 
@@ -45,16 +44,14 @@ def _unit_scale(scale: Array) -> Array:
 def _scale_capped_at_one(scale: Array) -> Array:
     """``min(s, 1)``; a zero or non-finite scale gives 1."""
     s = as_scale(scale)
-    out = as_scale(select((s > 0) & (s < 1), s, as_scale(1)))
-    return mark_pow2(out) if is_known_pow2(s) else out
+    return as_scale(select((s > 0) & (s < 1), s, as_scale(1)))
 
 
 def _scale_floored_at_one(scale: Array) -> Array:
     """``max(s, 1)``; a non-finite scale gives 1."""
     s = as_scale(scale)
     finite = np.isfinite(s) if _is_numpy(s) else jax.lax.is_finite(s)
-    out = as_scale(select(finite & (s > 1), s, as_scale(1)))
-    return mark_pow2(out) if is_known_pow2(s) else out
+    return as_scale(select(finite & (s > 1), s, as_scale(1)))
 
 
 def _on_value(prim: Primitive, x: ScaledArray, params: dict, out_scale: ScaleMap) -> ScaledArray:
@@ -105,17 +102,15 @@ def _root(x: ScaledArray, n: int, data_fn: Callable[[Array], Array], inverse: bo
         data, out_scale = _traced_root(x, scale, n, data_fn)
     if inverse:
         out_scale = 1 / out_scale
-    out_scale = as_scale(out_scale)
-    known = get_scalify_config().rounding_mode != Pow2RoundMode.NONE and is_known_pow2(scale)
-    return ScaledArray(data, mark_pow2(out_scale) if known else out_scale)
+    return ScaledArray(data, as_scale(out_scale))
 
 
 def _traced_root(x: ScaledArray, scale: Array, n: int, data_fn: Callable[[Array], Array]) -> tuple[Array, Array]:
     """The rounding branch of :func:`_root` for a traced scale, in single ``lax`` operations.
 
     Same values as the NumPy branch: ``t = -e mod n`` from the exponent's bits, ``2**-t`` applied
-    to the data as an exact constant, and for a square root of a scale known to be a power of
-    two the (then exact) root is not snapped again.
+    to the data as an exact constant, and a square root (exact for the power-of-two scales of
+    the contract) is not snapped again.
     """
     e = pow2_exponent(scale)
     t = jax.lax.rem(-e, e.dtype.type(n))
@@ -128,7 +123,7 @@ def _traced_root(x: ScaledArray, scale: Array, n: int, data_fn: Callable[[Array]
     data = data_fn(mul_data(x.data, inverse))
     root = jax.lax.sqrt if n == 2 else jax.lax.cbrt
     out_scale = root(scale * factor)
-    if not (n == 2 and is_known_pow2(scale)):
+    if not (n == 2 and scales_are_pow2()):
         out_scale = _snap_pow2(out_scale)
     return data, out_scale
 
