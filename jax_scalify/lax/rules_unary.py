@@ -27,7 +27,7 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
 from ..core.config import Pow2RoundMode, get_scalify_config
-from ..core.pow2 import pow2_exponent, pow2_round_down, scales_are_pow2
+from ..core.pow2 import pow2_exponent, pow2_round_down
 from ..core.registry import register_scalar_preserving, register_scaled_lax_op, register_scaled_op
 from .base_scaling import as_scale, mul_data, scaled_power, scaled_product, select, to_float32_value
 from .rules_arithmetic import _is_numpy, _npapi, _value_output, _widen  # shared private helpers
@@ -109,8 +109,8 @@ def _traced_root(x: ScaledArray, scale: Array, n: int, data_fn: Callable[[Array]
     """The rounding branch of :func:`_root` for a traced scale, in single ``lax`` operations.
 
     Same values as the NumPy branch: ``t = -e mod n`` from the exponent's bits, ``2**-t`` applied
-    to the data as an exact constant, and a square root (exact for the power-of-two scales of
-    the contract) is not snapped again.
+    to the data as an exact constant, and a square root (exact: this branch runs only while
+    rounding is on, where every scale is a power of two) is not snapped again.
     """
     e = pow2_exponent(scale)
     t = jax.lax.rem(-e, e.dtype.type(n))
@@ -123,7 +123,7 @@ def _traced_root(x: ScaledArray, scale: Array, n: int, data_fn: Callable[[Array]
     data = data_fn(mul_data(x.data, inverse))
     root = jax.lax.sqrt if n == 2 else jax.lax.cbrt
     out_scale = root(scale * factor)
-    if not (n == 2 and scales_are_pow2()):
+    if n != 2:  # cbrt is inexact; sqrt of a power of two with an even exponent is exact
         out_scale = _snap_pow2(out_scale)
     return data, out_scale
 

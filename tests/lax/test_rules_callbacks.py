@@ -18,7 +18,10 @@ def with_callbacks(x, w):
     return z + y
 
 
-test_invariance = invariance_test([Case("callbacks", with_callbacks, [normal(4), normal(4)])], max_examples=6)
+INVARIANCE_CASES = [Case("callbacks", with_callbacks, [normal(4), normal(4)])]
+
+
+test_invariance = invariance_test(INVARIANCE_CASES, max_examples=6)
 
 
 def scaled(x, exponent):

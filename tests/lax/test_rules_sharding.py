@@ -15,9 +15,10 @@ def with_sharding(x, w):
     return lax.with_sharding_constraint(x * w, _ONE_DEVICE) + 1.0
 
 
-test_invariance = invariance_test(
-    [Case("sharding_constraint", with_sharding, [normal(4), normal(4)], grad=True)], max_examples=6
-)
+INVARIANCE_CASES = [Case("sharding_constraint", with_sharding, [normal(4), normal(4)], grad=True)]
+
+
+test_invariance = invariance_test(INVARIANCE_CASES, max_examples=6)
 
 
 def scaled(x, exponent):
