@@ -172,7 +172,10 @@ class ScaledArray:
     calling this constructor; see ``docs/pytrees.md``).
 
     A ``ScaledArray`` is a pytree with children ``(data, scale)``, so it passes through
-    ``jax.jit``, ``jax.tree`` functions and Optax unchanged. It has no arithmetic of its
+    ``jax.jit``, ``jax.tree`` functions and Optax unchanged. Inside ``scalify`` a value may
+    also carry :class:`ScaleFacts` (``any_scale``, ``slices``), what the rules know about it
+    beyond data and scale; they are the pytree's aux data, and ``scalify`` returns values
+    without them. It has no arithmetic of its
     own: computations on it happen inside :func:`jax_scalify.scalify`. A concrete 0-d one
     converts with ``float()``, ``int()`` and ``bool()``.
     """
