@@ -8,8 +8,12 @@ and ``analysis`` namespaces hold the user API. A rule author finds here, in one 
   scalars), :func:`register_scaled_lax_op`, :func:`registered_rule`, :class:`RegisteredRule`;
 - the interpreter's entry points: :func:`eval_scaled_jaxpr` and :func:`eval_closed_jaxpr`
   (a sub-jaxpr evaluated with the rules), :func:`observe_equations`, :func:`concrete_scalar`;
-- promotion and any-scale values: :class:`AnyScaleArray`, :func:`is_any_scale`,
-  :func:`promote`;
+- what is known about a value: :class:`ScaleFacts` (``any_scale``, ``slices``: pytree aux
+  data of a ``ScaledArray``), :func:`any_scale_array`, :func:`is_any_scale`, :func:`promote`,
+  and the power-of-two contract :func:`scales_are_pow2`;
+- sub-jaxprs (from :mod:`jax_scalify.lax.subjaxpr`): :func:`eval_sub_jaxpr` on an open
+  jaxpr and :func:`fixed_point` / :func:`check_structure` for bodies whose scaled outputs
+  must be fixed before they are traced (loop carries, branches, ``shard_map``);
 - the scale arithmetic the built-in rules share (from :mod:`jax_scalify.lax.base_scaling`):
   exact power-of-two rescaling (:func:`rescale`, :func:`mul_data`), common scales
   (:func:`largest_scale`, :func:`align_to_largest`), scale products kept within range
@@ -26,9 +30,10 @@ Example, a rule for a primitive that keeps its operand's scale::
         \"\"\"Scale kept, my_op applied to the data.\"\"\"
         return jsx.bind_keep_scale(my_p, x, **params)
 """
-from .core.array import ScaledArray, is_floating_dtype
+from .core.array import ScaledArray, ScaleFacts, is_floating_dtype
 from .core.custom_scale import custom_scale_call_p
 from .core.interpreter import concrete_scalar, eval_closed_jaxpr, eval_scaled_jaxpr, observe_equations
+from .core.pow2 import scales_are_pow2
 from .core.promotion import promote
 from .core.registry import (
     RegisteredRule,
@@ -42,11 +47,13 @@ from .core.registry import (
     registered_rule,
     registered_rules,
 )
-from .lax import base_scaling
+from .lax import base_scaling, subjaxpr
 from .lax.base_scaling import *  # noqa: F401,F403  (its __all__: the shared scale arithmetic)
+from .lax.subjaxpr import *  # noqa: F401,F403  (its __all__: sub-jaxprs and their scaled outputs)
 
 __all__ = [
     "RegisteredRule",
+    "ScaleFacts",
     "ScaledArray",
     "ScaledPrimitiveType",
     "ScaledRule",
@@ -64,4 +71,5 @@ __all__ = [
     "register_scaled_op",
     "registered_rule",
     "registered_rules",
-] + base_scaling.__all__
+    "scales_are_pow2",
+] + base_scaling.__all__ + subjaxpr.__all__

@@ -7,19 +7,23 @@ from jax.extend.core import Primitive
 import jax_scalify as jsa
 from jax_scalify import extend as jsx
 from jax_scalify.core import registry
-from jax_scalify.lax import base_scaling
+from jax_scalify.lax import base_scaling, subjaxpr
 
 ENGINE_NAMES = (
-    "AnyScaleArray",
     "RegisteredRule",
+    "ScaleFacts",
+    "any_scale_array",
     "custom_scale_call_p",
     "eval_closed_jaxpr",
     "eval_scaled_jaxpr",
+    "eval_sub_jaxpr",
+    "fixed_point",
     "is_any_scale",
     "observe_equations",
     "primitive_of",
     "registered_rule",
     "registered_rules",
+    "scales_are_pow2",
 )
 
 
@@ -33,7 +37,7 @@ def restore_registry():
 
 def test_extend_exports_the_engine_and_the_shared_scale_arithmetic():
     assert set(ENGINE_NAMES) <= set(jsx.__all__)
-    assert set(base_scaling.__all__) <= set(jsx.__all__)
+    assert set(base_scaling.__all__) | set(subjaxpr.__all__) <= set(jsx.__all__)
     for name in jsx.__all__:
         assert getattr(jsx, name) is not None, name
     assert jsx.rescale is base_scaling.rescale and jsx.register_scaled_op is jsa.core.register_scaled_op

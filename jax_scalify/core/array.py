@@ -1,14 +1,15 @@
 """The data model: ``ScaledArray``, a pair ``(data, scale)`` whose value is ``data * scale``."""
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+import threading
+from typing import Any, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import known_pow2
 from .config import Pow2RoundMode, get_scalify_config
 from .pow2 import pow2_exponent
 
@@ -26,6 +27,57 @@ _NOT_OUTSIDE_SCALIFY = (
     "ScaledArray does not support {what} outside jsa.scalify. Wrap the function that uses it "
     "with @jsa.scalify, or convert it first with x.to_array() / jsa.asarray(tree)."
 )
+
+
+class _EvaluationState(threading.local):
+    def __init__(self):
+        self.depth = 0
+
+
+_evaluation = _EvaluationState()
+
+
+@contextlib.contextmanager
+def evaluating_rules() -> Iterator[None]:
+    """Scope in which the scalify interpreter evaluates a jaxpr with the scale rules.
+
+    Inside it, ``ScaledArray``s are the rules' intermediate values: their scales are not
+    checked (an intermediate scale may overflow to ``inf``) and nested ``scalify`` calls
+    take their inputs as they are.
+    """
+    _evaluation.depth += 1
+    try:
+        yield
+    finally:
+        _evaluation.depth -= 1
+
+
+def is_evaluating_rules() -> bool:
+    """Whether the scalify interpreter is evaluating a jaxpr (see :func:`evaluating_rules`)."""
+    return _evaluation.depth > 0
+
+
+class ScaleFacts(NamedTuple):
+    """What is known about a ``ScaledArray`` beyond its data and scale: the static part of its pytree.
+
+    Being pytree aux data, these facts cross ``jax.jit``, ``scan``, ``cond``, ``while_loop``
+    and ``shard_map`` boundaries with the value, and JAX's own treedef comparison tells two
+    values with different facts apart. That the scale is a power of two is not among them:
+    it is a contract for every scale (see :func:`jax_scalify.core.pow2.scales_are_pow2`).
+
+    - ``any_scale``: the value is a constant 0 or ±inf, the same at every scale, so rules
+      that align scales let it adopt the others' scale (``max(x, 0)`` keeps ``x``'s scale);
+    - ``stacked``: the value is a stack (axis 0) of slices that were produced with one
+      scale each (the outputs of a ``scan``); ``slices`` holds ``(slice_data, slice_scales)``
+      besides the rebalanced ``(data, scale)``, so that a later scan over it can give every
+      iteration its slice at its own scale.
+    """
+
+    any_scale: bool = False
+    stacked: bool = False
+
+
+_PLAIN_FACTS = ScaleFacts()
 
 
 def _is_array_like(x) -> bool:
@@ -120,15 +172,20 @@ class ScaledArray:
     calling this constructor; see ``docs/pytrees.md``).
 
     A ``ScaledArray`` is a pytree with children ``(data, scale)``, so it passes through
-    ``jax.jit``, ``jax.tree`` functions and Optax unchanged. It has no arithmetic of its
+    ``jax.jit``, ``jax.tree`` functions and Optax unchanged. Inside ``scalify`` a value may
+    also carry :class:`ScaleFacts` (``any_scale``, ``slices``), what the rules know about it
+    beyond data and scale; they are the pytree's aux data, and ``scalify`` returns values
+    without them. It has no arithmetic of its
     own: computations on it happen inside :func:`jax_scalify.scalify`. A concrete 0-d one
     converts with ``float()``, ``int()`` and ``bool()``.
     """
 
-    __slots__ = ("data", "scale")
+    __slots__ = ("data", "scale", "any_scale", "slices")
     __array_priority__ = 100  # make `np.ndarray + ScaledArray` defer to our error message
 
-    def __init__(self, data: Array, scale: Array):
+    def __init__(
+        self, data: Array, scale: Array, *, any_scale: bool = False, slices: tuple[Array, Array] | None = None
+    ):
         if _is_array_like(data) and not is_floating_dtype(data.dtype):
             raise TypeError(
                 f"ScaledArray data must be floating, got dtype {data.dtype}. Integer and boolean "
@@ -151,13 +208,17 @@ class ScaledArray:
                         f"shape {np.shape(data)}. Use a scalar scale: jsa.scalify's scale rules need one "
                         "(jsa.as_scaled_array(value) picks it)."
                     ) from None
-            if not known_pow2.is_tracking():
+            if not is_evaluating_rules():
                 check_scale_values(scale)
         self.data = data
         self.scale = scale
+        self.any_scale = bool(any_scale)
+        self.slices = None if slices is None else tuple(slices)
 
     @classmethod
-    def unchecked(cls, data: Array, scale: Array) -> "ScaledArray":
+    def unchecked(
+        cls, data: Array, scale: Array, *, any_scale: bool = False, slices: tuple[Array, Array] | None = None
+    ) -> "ScaledArray":
         """``ScaledArray(data, scale)`` without any check, for code that computed the scale itself.
 
         Scale rules, runtime callbacks and deserialisation use it: an intermediate scale may
@@ -165,16 +226,34 @@ class ScaledArray:
         """
         obj = object.__new__(cls)
         obj.data, obj.scale = data, scale
+        obj.any_scale, obj.slices = any_scale, slices
         return obj
 
+    @property
+    def facts(self) -> ScaleFacts:
+        """What is known about this value besides data and scale (see :class:`ScaleFacts`)."""
+        return ScaleFacts(self.any_scale, self.slices is not None)
+
+    def plain(self) -> "ScaledArray":
+        """The same data and scale without any :class:`ScaleFacts` (what a rule's output starts from)."""
+        if not self.any_scale and self.slices is None:
+            return self
+        return ScaledArray.unchecked(self.data, self.scale)
+
     # Pytree protocol. Unflattening bypasses the checks: JAX rebuilds pytrees with
-    # placeholders (None, object(), tracers of other shapes) that are not arrays.
+    # placeholders (None, object(), tracers of other shapes) that are not arrays. The facts
+    # are the aux data (None when there are none, as for every ScaledArray a user makes).
     def tree_flatten(self):
-        return (self.data, self.scale), None
+        facts = self.facts
+        if facts == _PLAIN_FACTS:
+            return (self.data, self.scale), None
+        return (self.data, self.scale, *(self.slices or ())), facts
 
     @classmethod
     def tree_unflatten(cls, aux_data, children):
-        return cls.unchecked(*children)
+        facts = aux_data or _PLAIN_FACTS
+        data, scale, *slices = children
+        return cls.unchecked(data, scale, any_scale=facts.any_scale, slices=tuple(slices) if facts.stacked else None)
 
     @property
     def dtype(self):
@@ -217,13 +296,15 @@ class ScaledArray:
                 f"Cannot cast a ScaledArray to the non-floating dtype {np.dtype(dtype)}: its scale "
                 "would be lost. Call x.to_array(dtype) for a plain array of that dtype."
             )
-        return ScaledArray(self.data.astype(dtype), self.scale)
+        return ScaledArray(self.data.astype(dtype), self.scale, any_scale=self.any_scale)
 
     def __array__(self, dtype=None, copy=None):
         return np.asarray(self.to_array(), dtype=dtype)
 
     def __repr__(self) -> str:
-        return f"ScaledArray(data={self.data!r}, scale={self.scale!r})"
+        facts = ", any_scale=True" if self.any_scale else ""
+        facts += ", slices=..." if self.slices is not None else ""
+        return f"ScaledArray(data={self.data!r}, scale={self.scale!r}{facts})"
 
     def _scalar_value(self, what: str) -> np.ndarray:
         if self.ndim != 0 or not (_is_concrete(self.data) and _is_concrete(self.scale)):
@@ -267,7 +348,7 @@ def check_scalify_inputs(leaves: list, tree: Any = None, nested: bool = False) -
     """
     scaled = [(i, x) for i, x in enumerate(leaves) if isinstance(x, ScaledArray)]
     for i, x in scaled:
-        transform = None if nested or known_pow2.is_tracking() else _outer_transformation(x.scale)
+        transform = None if nested or is_evaluating_rules() else _outer_transformation(x.scale)
         if transform:
             raise TypeError(
                 f"jsa.scalify: the ScaledArray at {_leaf_name(tree, i)} is traced by {transform} applied "
@@ -293,7 +374,7 @@ def check_scalify_inputs(leaves: list, tree: Any = None, nested: bool = False) -
                 "jsa.as_scaled_array(x.to_array(jnp.float32)) (one power-of-two scale for the array), "
                 "or keep per-channel scales outside scalify and multiply them in as plain arrays."
             )
-    if known_pow2.is_tracking():  # an inner scalify evaluated by the interpreter: internal values
+    if is_evaluating_rules():  # an inner scalify evaluated by the interpreter: internal values
         return
     concrete = [(i, x.scale) for i, x in scaled if _is_concrete(x.scale)]
     if not concrete:

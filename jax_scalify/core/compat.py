@@ -92,7 +92,7 @@ def is_static_zero(x: Any) -> np.ndarray:
 def is_static_anyscale(x: Any) -> np.ndarray:
     """Boolean NumPy mask of the elements known at trace time to be ``0`` or ``±inf``.
 
-    These values keep their value under any scale (see ``jax_scalify.extend.AnyScaleArray``).
+    These values keep their value under any scale (see ``jax_scalify.extend.any_scale_array``).
     """
 
     def anyscale(v):

@@ -217,8 +217,8 @@ def _vmapped_rule(rule: Callable[..., list], batched: Sequence[bool], size: int)
             if not is_batched:
                 in_axes.append(None)
             elif isinstance(x, ScaledArray):
-                x = with_scalar_scale(x)
-                in_axes.append(type(x).tree_unflatten(None, (0, None)))
+                x = with_scalar_scale(ScaledArray.unchecked(x.data, x.scale, any_scale=x.any_scale))
+                in_axes.append(ScaledArray.unchecked(0, None, any_scale=x.any_scale))
             else:
                 in_axes.append(0)
             shared.append(x)

@@ -34,19 +34,13 @@ import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, jaxprs_in_params
 
-from . import constants, known_pow2
+from . import constants
 from . import policy as rescale_policy
-from .array import ScaledArray, check_scalify_inputs, is_floating_dtype, is_scaled_leaf, unscaled
+from .array import ScaledArray, check_scalify_inputs, evaluating_rules, is_floating_dtype, is_scaled_leaf, unscaled
 from .policy import RescalePolicy
-from .promotion import AnyScaleArray, promote
+from .promotion import any_scale_array, is_any_scale, promote
 from .registry import RegisteredRule, ScaledPrimitiveType, registered_rule
 from .vma import match_varying_axes
-
-jax.tree_util.register_pytree_node(
-    AnyScaleArray,
-    lambda x: ((x.data, x.scale), None),
-    lambda _, children: AnyScaleArray.tree_unflatten(None, children),
-)
 
 
 class _TraceState(threading.local):
@@ -158,7 +152,7 @@ def _scalified_call(trace_cache, policy: RescalePolicy, fun, args, kwargs):
     closed_jaxpr, out_tree, static_outs = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
     dynamic_leaves = [leaves[i] for i in dynamic]
     exact = constants.exact_constants(_exact_constants.get(closed_jaxpr.jaxpr))
-    with known_pow2.tracking(), exact, rescale_policy.applying(policy):
+    with evaluating_rules(), exact, rescale_policy.applying(policy):
         outs = eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, dynamic_leaves)
         if policy.outputs:
             fresh = [i for i, x in enumerate(outs) if not rescale_policy.was_rescaled(x)]
@@ -427,8 +421,8 @@ def _keep_any_scale(entry: RegisteredRule, inputs: list, outs: list) -> list:
     call that received the literal 0.0 as an argument (as ``jnp.where`` does).
     """
     floating = [x for x in inputs if isinstance(x, ScaledArray)]
-    if floating and all(isinstance(x, AnyScaleArray) for x in floating) and entry.scalar_fn:
-        return [AnyScaleArray(o.data, o.scale) if isinstance(o, ScaledArray) else o for o in outs]
+    if floating and all(is_any_scale(x) for x in floating) and entry.scalar_fn:
+        return [any_scale_array(o.data, o.scale) if isinstance(o, ScaledArray) else o for o in outs]
     return outs
 
 

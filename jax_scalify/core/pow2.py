@@ -32,6 +32,18 @@ def numpy_api(*xs: Any) -> Any:
     return np if all(is_numpy(x) for x in xs) else jnp
 
 
+def scales_are_pow2() -> bool:
+    """Whether every scale is a power of two (or 0, inf, nan) by contract: True unless rounding is off.
+
+    ``ScaledArray`` rejects a concrete scale that is not 0 or a positive power of two, and
+    the rules round every scale they compute, so the rules may use exact shortcuts (the
+    scale of a sum of two power-of-two scales rounded down is the larger one). Under
+    ``Pow2RoundMode.NONE`` scales are whatever the rules compute, and the rules take their
+    general formulas. A traced scale given by the user is trusted to honour the contract.
+    """
+    return get_scalify_config().rounding_mode != Pow2RoundMode.NONE
+
+
 def _compute_dtype(dtype) -> np.dtype:
     """Float type in which ``dtype`` values are decomposed exactly (float32 or float64)."""
     return np.dtype(np.float64) if np.dtype(dtype).itemsize == 8 else np.dtype(np.float32)

@@ -3,9 +3,9 @@
 The interpreter tracks, for every unscaled value, whether it is a broadcast of a known
 scalar constant. When such a value meets a scaled one, it is promoted:
 
-- a constant 0 or ±inf becomes an :class:`AnyScaleArray`: its value is the same at every
-  scale, so rules let it adopt the scale the other operands want (``max(x, 0)`` keeps
-  ``x``'s scale);
+- a constant 0 or ±inf becomes an any-scale ``ScaledArray`` (see
+  :class:`~jax_scalify.core.array.ScaleFacts`): its value is the same at every scale, so
+  rules let it adopt the scale the other operands want (``max(x, 0)`` keeps ``x``'s scale);
 - any other broadcast scalar constant is split exactly into a power-of-two scale (the
   nearest to it) and a mantissa in ``[sqrt(1/2), sqrt(2))`` (``x * 8.0`` folds ``2**3``
   into the scale, ``x * 0.999`` keeps ``x``'s scale);
@@ -23,24 +23,23 @@ from jax import lax
 
 from .array import ScaledArray
 from .config import Pow2RoundMode, get_scalify_config
-from .known_pow2 import mark_pow2
 from .pow2 import pow2_decompose, pow2_round_positive_or_one
 
 
-class AnyScaleArray(ScaledArray):
+def any_scale_array(data: Any, scale: Any) -> ScaledArray:
     """A ``ScaledArray`` whose value (all 0, or all ±inf) is the same at any scale.
 
-    Its scale is 1 so that rules that ignore the distinction still compute the right value;
-    rules that align scales (add, max, select, concatenate ...) skip it when choosing the
-    common scale, then give it that scale.
+    Its scale is 1 when promoted, so that rules that ignore the distinction still compute the
+    right value; rules that align scales (add, max, select, concatenate ...) skip it when
+    choosing the common scale, then give it that scale. The mark is the ``any_scale`` fact
+    of the ``ScaledArray`` (pytree aux data), so it crosses ``jit`` and loop boundaries.
     """
-
-    __slots__ = ()
+    return ScaledArray.unchecked(data, scale, any_scale=True)
 
 
 def is_any_scale(x: Any) -> bool:
     """True for an operand that can take any scale (constant 0 or ±inf)."""
-    return isinstance(x, AnyScaleArray)
+    return isinstance(x, ScaledArray) and x.any_scale
 
 
 def promote(value: Any, scalar: np.ndarray | None) -> ScaledArray:
@@ -51,7 +50,7 @@ def promote(value: Any, scalar: np.ndarray | None) -> ScaledArray:
             return split_traced_scalar(value, scale_dtype)
         return ScaledArray(value, np.ones((), scale_dtype))
     if scalar == 0 or np.isinf(scalar):
-        return AnyScaleArray(value, np.ones((), scale_dtype))
+        return any_scale_array(value, np.ones((), scale_dtype))
     if np.isnan(scalar):
         return ScaledArray(value, np.ones((), scale_dtype))
     scale, mantissa = nearest_pow2_split(np.asarray(scalar, np.float64), scale_dtype)
@@ -99,4 +98,4 @@ def split_traced_scalar(value: Any, scale_dtype) -> ScaledArray:
     scale = pow2_round_positive_or_one(magnitude, Pow2RoundMode.DOWN)
     data = lax.convert_element_type(lax.div(x, scale), value.dtype)
     scale = lax.select(lax.eq(x, lax.full_like(x, 0)), lax.full_like(scale, 0), scale)
-    return ScaledArray(data, mark_pow2(scale))
+    return ScaledArray(data, scale)

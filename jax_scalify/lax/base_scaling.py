@@ -6,8 +6,8 @@ Rule modules import from here only; nothing here knows about individual primitiv
 
 Scale arithmetic is kept cheap at trace time: NumPy scales stay NumPy (folded in Python, no
 equation), traced scalar scales are combined with single ``lax`` operations (``jnp.where``
-and friends wrap a nested ``jit`` per call), and the helpers that build a scale from power-of-two
-scales mark it as such (:mod:`jax_scalify.core.known_pow2`) so that later rules can take exact
+and friends wrap a nested ``jit`` per call). Every scale is a power of two by contract unless
+rounding is off (:func:`~jax_scalify.core.pow2.scales_are_pow2`), which lets rules take exact
 shortcuts.
 """
 from __future__ import annotations
@@ -22,9 +22,8 @@ from jax.extend.core import Jaxpr, Primitive
 
 from ..core.array import ScaledArray, unscaled
 from ..core.config import Pow2RoundMode, get_scalify_config
-from ..core.known_pow2 import all_known_pow2, is_known_pow2, mark_pow2
 from ..core.pow2 import is_numpy, numpy_api, pow2_exponent, pow2_round, pow2_round_down, pow2_round_up
-from ..core.promotion import AnyScaleArray, is_any_scale
+from ..core.promotion import any_scale_array, is_any_scale
 
 Array = Any
 ScaleMap = Callable[[Array], Array]
@@ -38,8 +37,8 @@ def scale_dtype() -> np.dtype:
 def as_scale(s: Array) -> Array:
     """``s`` in the configured scale dtype (NumPy stays NumPy, so constants fold at trace time).
 
-    A JAX scale already of that dtype is returned as it is (same object, so its
-    known-power-of-two mark is kept).
+    A JAX scale already of that dtype is returned as it is (same object, so rules can tell
+    that two operands share one scale).
     """
     if isinstance(s, (np.ndarray, np.generic, float, int)):
         return np.asarray(s, scale_dtype())
@@ -82,13 +81,12 @@ def scale_min(a: Array, b: Array) -> Array:
 
 
 def scale_mul(*scales: Array) -> Array:
-    """Product of scales in the scale dtype; marked a power of two when every factor is one.
+    """Product of scales in the scale dtype (a power of two when every factor is one).
 
     NumPy factors are multiplied first (in Python), so ``sa * sb * r`` with a NumPy ``r``
     emits at most two equations.
     """
     scales = [as_scale(s) for s in scales]
-    known = all_known_pow2(*scales)
     consts = [s for s in scales if is_numpy(s)]
     traced = [s for s in scales if not is_numpy(s)]
     const = np.asarray(np.prod(np.stack(np.broadcast_arrays(*consts)), axis=0), scale_dtype()) if consts else None
@@ -99,17 +97,15 @@ def scale_mul(*scales: Array) -> Array:
         out = out * s
     if const is not None and not (np.ndim(const) == 0 and const == 1):
         out = out * const
-    out = as_scale(out)
-    return mark_pow2(out) if known else out
+    return as_scale(out)
 
 
 def scale_div(a: Array, b: Array) -> Array:
-    """``a / b`` in the scale dtype; marked a power of two when both are."""
+    """``a / b`` in the scale dtype (a power of two when both are)."""
     a, b = as_scale(a), as_scale(b)
     if is_numpy(b) and np.ndim(b) == 0 and b == 1:
         return a
-    out = as_scale(a / b)
-    return mark_pow2(out) if all_known_pow2(a, b) else out
+    return as_scale(a / b)
 
 
 def scale_bounds() -> tuple[np.ndarray, np.ndarray]:
@@ -152,8 +148,6 @@ def scaled_product(data: Array, a: Array, b: Array, *, divide: bool = False) -> 
     bounded = as_scale(lax.clamp(lo, p, hi))
     excess = (a / bounded) / b if divide else (a / bounded) * b
     excess = lax.select(p == bounded, lax.full_like(excess, 1), excess)
-    if is_known_pow2(p):
-        mark_pow2(bounded)
     return ScaledArray(mul_data(data, excess), bounded)
 
 
@@ -186,13 +180,9 @@ def scaled_power(data: Array, scale: Array, y: int) -> ScaledArray:
         with np.errstate(over="ignore", divide="ignore", under="ignore"):
             exact = np.power(np.asarray(scale, np.float64), y)
         return _bounded_numpy(data, exact, lambda: as_scale(exact))
-    known = is_known_pow2(scale)
     if y == 0 or abs(y) > 4 or not get_scalify_config().guard_traced_scales:
-        out = as_scale(lax.integer_pow(scale, y))
-        return ScaledArray(data, mark_pow2(out) if known else out)
+        return ScaledArray(data, as_scale(lax.integer_pow(scale, y)))
     base = scale if y > 0 else as_scale(1 / scale)
-    if known:
-        mark_pow2(base)
     out = ScaledArray(data, base)
     for _ in range(abs(y) - 1):
         out = scaled_product(out.data, out.scale, base)
@@ -267,10 +257,9 @@ def zero_to_one(scale: Array) -> Array:
     """``scale`` with 0 replaced by 1: a common scale that can hold a non-zero value.
 
     A zero common scale means every operand was asserted zero; rescaling to it would compute
-    ``0 / 0``. Keeps the power-of-two mark (1 is a power of two).
+    ``0 / 0``.
     """
-    out = select(scale == 0, np.ones(np.shape(scale), scale.dtype), scale)
-    return mark_pow2(out) if is_known_pow2(scale) else out
+    return select(scale == 0, np.ones(np.shape(scale), scale.dtype), scale)
 
 
 def _is_trace_time_constant(x: ScaledArray) -> bool:
@@ -305,8 +294,7 @@ def _fitting_scale(x: ScaledArray) -> np.ndarray:
 def largest_scale(operands: Sequence[ScaledArray]) -> Array:
     """The largest scale among the operands that have one (any-scale operands skipped).
 
-    Operands sharing one scale object count once (no ``max(s, s)`` equation); the result is
-    marked a power of two when every scale is one. If the largest of several scales is 0
+    Operands sharing one scale object count once (no ``max(s, s)`` equation). If the largest of several scales is 0
     (every operand asserted zero) the result is 1, so rescaling to it gives 0 rather than
     ``0 / 0``. Next to other operands, a trace-time constant counts with the smallest
     power-of-two scale at which it fits its data dtype (see :func:`_fitting_scale`).
@@ -325,7 +313,7 @@ def largest_scale(operands: Sequence[ScaledArray]) -> Array:
         out = scale_max(out, s)
     if len(scales) > 1:
         out = zero_to_one(out)
-    return mark_pow2(out) if all_known_pow2(*scales) else out
+    return out
 
 
 def align_to_largest(operands: Sequence[ScaledArray]) -> tuple[list[ScaledArray], Array]:
@@ -367,8 +355,7 @@ def unit_scale(scale: Array) -> Array:
 def scale_capped_at_one(scale: Array) -> Array:
     """``min(s, 1)``; a zero or non-finite scale gives 1."""
     s = as_scale(scale)
-    out = as_scale(select((s > 0) & (s < 1), s, as_scale(1)))
-    return mark_pow2(out) if is_known_pow2(s) else out
+    return as_scale(select((s > 0) & (s < 1), s, as_scale(1)))
 
 
 def on_value(prim: Primitive, x: ScaledArray, params: dict, out_scale: ScaleMap) -> ScaledArray:
@@ -408,17 +395,15 @@ def exact_root(x: ScaledArray, n: int, data_fn: Callable[[Array], Array], invers
         data, out_scale = _traced_root(x, scale, n, data_fn)
     if inverse:
         out_scale = 1 / out_scale
-    out_scale = as_scale(out_scale)
-    known = get_scalify_config().rounding_mode != Pow2RoundMode.NONE and is_known_pow2(scale)
-    return ScaledArray(data, mark_pow2(out_scale) if known else out_scale)
+    return ScaledArray(data, as_scale(out_scale))
 
 
 def _traced_root(x: ScaledArray, scale: Array, n: int, data_fn: Callable[[Array], Array]) -> tuple[Array, Array]:
     """The rounding branch of :func:`exact_root` for a traced scale, in single ``lax`` operations.
 
     Same values as the NumPy branch: ``t = -e mod n`` from the exponent's bits, ``2**-t`` applied
-    to the data as an exact constant, and for a square root of a scale known to be a power of
-    two the (then exact) root is not snapped again.
+    to the data as an exact constant, and a square root (exact: this branch runs only while
+    rounding is on, where every scale is a power of two) is not snapped again.
     """
     e = pow2_exponent(scale)
     t = jax.lax.rem(-e, e.dtype.type(n))
@@ -431,7 +416,7 @@ def _traced_root(x: ScaledArray, scale: Array, n: int, data_fn: Callable[[Array]
     data = data_fn(mul_data(x.data, inverse))
     root = jax.lax.sqrt if n == 2 else jax.lax.cbrt
     out_scale = root(scale * factor)
-    if not (n == 2 and is_known_pow2(scale)):
+    if n != 2:  # cbrt is inexact; sqrt of a power of two with an even exponent is exact
         out_scale = _snap_pow2(out_scale)
     return data, out_scale
 
@@ -476,7 +461,7 @@ def with_scalar_scale(x: ScaledArray) -> ScaledArray:
     if np.ndim(x.scale) == 0:
         return x
     if np.size(x.scale) == 1:
-        return type(x)(x.data, x.scale.reshape(()))
+        return ScaledArray.unchecked(x.data, x.scale.reshape(()), any_scale=x.any_scale)
     new_scale = np.max(x.scale) if is_numpy(x.scale) else jnp.max(x.scale)
     return rescale(x, new_scale)
 
@@ -501,13 +486,10 @@ def rebalance_stacked(data: Array, scales: Array) -> ScaledArray:
     data dtype's range below the largest slice (then they underflow, as in any tensor
     with one scale). A largest scale of 0 (all slices asserted zero) keeps the data.
     """
-    known = is_known_pow2(scales)
     scales = jnp.asarray(scales)
     if data.shape[0] == 0:
         return ScaledArray(data, jnp.ones((), scales.dtype))
     top = jnp.max(scales)
-    if known:
-        mark_pow2(top)
     is_zero = top == 0
     safe_top = select(is_zero, jnp.ones((), top.dtype), top).astype(jnp.float32)
     ratio = select(is_zero, jnp.ones(scales.shape, jnp.float32), scales.astype(jnp.float32) / safe_top)
@@ -516,18 +498,16 @@ def rebalance_stacked(data: Array, scales: Array) -> ScaledArray:
 
 
 __all__ = [
-    "AnyScaleArray",
     "ScaleMap",
     "align_to_largest",
+    "any_scale_array",
     "as_scale",
     "bind_aligned",
     "bind_keep_scale",
     "exact_root",
     "is_any_scale",
-    "is_known_pow2",
     "is_numpy",
     "largest_scale",
-    "mark_pow2",
     "mul_data",
     "narrow_range",
     "num_elements",

@@ -28,7 +28,6 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import Pow2RoundMode, get_scalify_config
-from ..core.known_pow2 import all_known_pow2, is_known_pow2, mark_pow2
 from ..core.pow2 import pow2_round_positive_or_one
 from ..core.registry import register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
@@ -85,8 +84,8 @@ def _sum_scale(a: ScaledArray, b: ScaledArray) -> Array:
     Computed as ``hi * sqrt(1 + (lo / hi)**2)`` so that large scales do not overflow; a zero
     result (both scales 0, i.e. both operands asserted zero) becomes 1.
 
-    For scales known to be powers of two (see :mod:`jax_scalify.core.known_pow2`) and the
-    default rounding down, this is exactly ``hi`` (``1 <= sqrt(1 + (lo/hi)**2) <= sqrt(2)``),
+    For power-of-two scales (the contract, see :func:`~jax_scalify.core.pow2.scales_are_pow2`)
+    and the default rounding down, this is exactly ``hi`` (``1 <= sqrt(1 + (lo/hi)**2) <= sqrt(2)``),
     with the same 1 for a zero or nan result and for two infinite scales: three cheap
     equations instead of the general formula.
     """
@@ -101,17 +100,16 @@ def _sum_scale(a: ScaledArray, b: ScaledArray) -> Array:
         scale = round_scale(hi * np.sqrt(1 + ratio * ratio))
         return as_scale(np.where(scale > 0, scale, 1))
     if sa is sb:  # one scale object: hi = lo = s, and pow2(sqrt(2) * s) is s when rounding down
-        if get_scalify_config().rounding_mode == Pow2RoundMode.DOWN and is_known_pow2(sa):
+        if get_scalify_config().rounding_mode == Pow2RoundMode.DOWN:
             return sa
     hi, lo = scale_max(sa, sb), scale_min(sa, sb)
     one = as_scale(1)
-    if get_scalify_config().rounding_mode == Pow2RoundMode.DOWN and all_known_pow2(sa, sb):
-        return mark_pow2(select((hi > 0) & (lo != np.inf), hi, one))
+    if get_scalify_config().rounding_mode == Pow2RoundMode.DOWN:
+        return select((hi > 0) & (lo != np.inf), hi, one)
     # Where hi <= 0 or a scale is nan the result is 1 whatever the ratio (0 * inf and nan
     # propagate to the final guard), so the ratio needs no guard of its own.
     ratio = lo / hi
-    scale = as_scale(pow2_round_positive_or_one(hi * lax.sqrt(1 + ratio * ratio)))
-    return scale if get_scalify_config().rounding_mode == Pow2RoundMode.NONE else mark_pow2(scale)
+    return as_scale(pow2_round_positive_or_one(hi * lax.sqrt(1 + ratio * ratio)))
 
 
 def _scaled_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, params: dict) -> ScaledArray:
@@ -307,7 +305,7 @@ def scaled_stop_gradient(x: ScaledArray, **params) -> ScaledArray:
     """Scale kept; gradient stopped on both the data and the scale."""
     scale = as_scale(x.scale)
     if not is_numpy(scale):
-        scale = mark_pow2(jax.lax.stop_gradient(scale)) if is_known_pow2(scale) else jax.lax.stop_gradient(scale)
+        scale = jax.lax.stop_gradient(scale)
     return ScaledArray(_bind(P.stop_gradient_p, x, **params), scale)
 
 

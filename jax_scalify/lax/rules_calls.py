@@ -1,9 +1,18 @@
-"""Rules of the call primitives: ``jit``, ``custom_jvp_call``, ``custom_vjp_call``.
+"""Rules of the call primitives: ``jit``, ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``.
 
-Their sub-jaxprs are evaluated by the scalify interpreter. A jitted call stays a jitted call
-(same name and inlining options); custom derivative wrappers are evaluated on their primal
-computation (with ``grad`` inside ``scalify`` the derivatives are already explicit in the
-jaxpr).
+Their sub-jaxprs are evaluated by the scalify interpreter
+(:func:`~jax_scalify.core.interpreter.eval_closed_jaxpr`).
+A jitted call stays a jitted call (same name and inlining options); custom derivative
+wrappers are evaluated on their primal computation (with ``grad`` inside ``scalify`` the
+derivatives are already explicit in the jaxpr). ``closed_call``, which JAX emits when
+partial evaluation splits a jaxpr (e.g. in the backward pass of a ``jax.checkpoint``
+holding a ``scan``), is evaluated inline: a closed call has no semantics of its own to keep.
+``call`` (the open-jaxpr variant) is not emitted by ``jax.make_jaxpr`` in JAX 0.10 and has
+no rule.
+
+What is known about a ``ScaledArray`` argument (its
+:class:`~jax_scalify.core.array.ScaleFacts`) is pytree aux data, so it enters and leaves the
+jitted body with the value; powers of two need nothing (they are the contract).
 
 The rules take their inputs unpromoted (as the control-flow rules do): an unscaled argument
 stays unscaled inside the sub-jaxpr until one of its equations meets a scaled value, so
@@ -26,20 +35,13 @@ from jax.extend.core import ClosedJaxpr
 
 from ..core.array import ScaledArray
 from ..core.config import ScalifyConfig, get_scalify_config
-from ..core.interpreter import concrete_scalar, eval_scaled_jaxpr
-from ..core.known_pow2 import is_known_pow2, mark_pow2
-from ..core.promotion import AnyScaleArray
-from ..core.registry import lax_primitive, register_scaled_op
+from ..core.interpreter import concrete_scalar, eval_closed_jaxpr, eval_scaled_jaxpr
+from ..core.promotion import is_any_scale
+from ..core.registry import lax_primitive, register_scaled_lax_op, register_scaled_op
 
 jit_p = lax_primitive("jit")
 custom_jvp_call_p = lax_primitive("custom_jvp_call")
 custom_vjp_call_p = lax_primitive("custom_vjp_call")
-
-
-def _eval_closed(closed: ClosedJaxpr, args) -> list:
-    """The interpreter on a sub-jaxpr; constant plain arguments keep their constant-scalar status."""
-    scalars = [None if isinstance(a, ScaledArray) else concrete_scalar(a) for a in args]
-    return eval_scaled_jaxpr(closed.jaxpr, closed.consts, args, scalars)
 
 
 class _CallSignature(NamedTuple):
@@ -51,27 +53,19 @@ class _CallSignature(NamedTuple):
       stays any-scale) with their exact value (see :mod:`jax_scalify.core.constants`);
     - ``const_scales``: ``(position, dtype, shape, values)`` of the ``ScaledArray`` arguments
       whose scale is a trace-time constant: only their data is passed, the scale is baked in,
-      so scale arithmetic on it still folds in Python inside the body;
-    - ``pow2_scales``: positions of the ``ScaledArray`` arguments whose traced scale is known
-      to be a power of two (see :mod:`jax_scalify.core.known_pow2`), marked again inside.
+      so scale arithmetic on it still folds in Python inside the body.
     """
 
     constants: tuple
     const_scales: tuple
-    pow2_scales: tuple
 
 
 @functools.lru_cache(maxsize=1024)
 def _jitted_body(jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, signature: _CallSignature, config: ScalifyConfig):
-    """One ``jax.jit`` per sub-jaxpr, :class:`_CallSignature` and configuration (JAX caches compilations).
-
-    The returned function has an ``out_pow2`` dict: for each type signature of the dynamic
-    arguments it was traced for, per output, whether its scale is known to be a power of two.
-    """
+    """One ``jax.jit`` per sub-jaxpr, :class:`_CallSignature` and configuration (JAX caches compilations)."""
     values = {i: np.asarray(v, dtype) for i, dtype, v, _, _ in signature.constants}
     exact = {i: np.asarray(v, dtype) for i, _, _, dtype, v in signature.constants}
     scales = {i: np.asarray(v, dtype).reshape(shape) for i, dtype, shape, v in signature.const_scales}
-    pow2 = set(signature.pow2_scales)
     n_args = len(jaxpr.jaxpr.invars)
 
     def body(*dynamic_args):
@@ -83,24 +77,12 @@ def _jitted_body(jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool,
             elif i in scales:
                 args.append(ScaledArray(next(dynamic), scales[i]))
             else:
-                arg = next(dynamic)
-                if i in pow2:
-                    mark_pow2(arg.scale)
-                args.append(arg)
+                args.append(next(dynamic))
         scalars = [exact.get(i) for i in range(n_args)]
-        outs = eval_scaled_jaxpr(jaxpr.jaxpr, jaxpr.consts, args, scalars)
-        jitted.out_pow2[_types(dynamic_args)] = [isinstance(o, ScaledArray) and is_known_pow2(o.scale) for o in outs]
-        return outs
+        return eval_scaled_jaxpr(jaxpr.jaxpr, jaxpr.consts, args, scalars)
 
     body.__name__ = name
-    jitted = jax.jit(body, inline=inline, keep_unused=keep_unused)
-    jitted.out_pow2 = {}
-    return jitted
-
-
-def _types(tree) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple(jax.typeof(x) for x in leaves)
+    return jax.jit(body, inline=inline, keep_unused=keep_unused)
 
 
 def _constant_value(arg) -> np.ndarray | None:
@@ -116,7 +98,7 @@ def _is_const_scale(arg) -> bool:
     """A ``ScaledArray`` with a small trace-time constant scale (its data need not be constant)."""
     return (
         isinstance(arg, ScaledArray)
-        and not isinstance(arg, AnyScaleArray)
+        and not is_any_scale(arg)
         and isinstance(arg.scale, (np.ndarray, np.generic))
         and np.size(arg.scale) <= 16
     )
@@ -125,7 +107,7 @@ def _is_const_scale(arg) -> bool:
 @register_scaled_op(jit_p, unpromoted_inputs=True)
 def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, **params):
     """Sub-jaxpr scalified and re-emitted as a jitted call with the same name and options."""
-    constants, const_scales, pow2_scales, dynamic = [], [], [], []
+    constants, const_scales, dynamic = [], [], []
     for i, arg in enumerate(args):
         value = _constant_value(arg)
         if value is not None:
@@ -136,34 +118,35 @@ def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: 
             const_scales.append((i, scale.dtype.str, scale.shape, tuple(scale.ravel().tolist())))
             dynamic.append(arg.data)
         else:
-            if isinstance(arg, ScaledArray) and is_known_pow2(arg.scale):
-                pow2_scales.append(i)
             dynamic.append(arg)
-    signature = _CallSignature(tuple(constants), tuple(const_scales), tuple(pow2_scales))
+    signature = _CallSignature(tuple(constants), tuple(const_scales))
     body = _jitted_body(jaxpr, name, inline, keep_unused, signature, get_scalify_config())
-    outs = body(*dynamic)
-    for out, known in zip(outs, body.out_pow2.get(_types(tuple(dynamic)), ())):
-        if known:
-            mark_pow2(out.scale)
-    return outs
+    return body(*dynamic)
 
 
 @register_scaled_op(custom_jvp_call_p, unpromoted_inputs=True)
 def scaled_custom_jvp_call(*args, call_jaxpr: ClosedJaxpr, **params):
     """Primal computation scalified (derivatives are taken inside scalify, before this)."""
-    return _eval_closed(call_jaxpr, args)
+    return eval_closed_jaxpr(call_jaxpr, args)
 
 
 @register_scaled_op(custom_vjp_call_p, unpromoted_inputs=True)
 def scaled_custom_vjp_call(*args, call_jaxpr: ClosedJaxpr, **params):
     """Primal computation scalified (derivatives are taken inside scalify, before this)."""
-    return _eval_closed(call_jaxpr, args)
+    return eval_closed_jaxpr(call_jaxpr, args)
+
+
+@register_scaled_lax_op(unpromoted_inputs=True)
+def scaled_closed_call(*args, call_jaxpr: ClosedJaxpr, **params) -> list:
+    """Sub-jaxpr evaluated inline by the scalify interpreter (unscaled inputs stay unscaled)."""
+    return eval_closed_jaxpr(call_jaxpr, args)
 
 
 __all__ = [
     "custom_jvp_call_p",
     "custom_vjp_call_p",
     "jit_p",
+    "scaled_closed_call",
     "scaled_custom_jvp_call",
     "scaled_custom_vjp_call",
     "scaled_jit",

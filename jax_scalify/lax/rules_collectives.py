@@ -40,12 +40,10 @@ from jax.extend.core import primitives as P
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 from ..core.array import ScaledArray, is_floating_dtype
-from ..core.interpreter import eval_scaled_jaxpr
-from ..core.known_pow2 import is_known_pow2, mark_pow2
-from ..core.promotion import AnyScaleArray
 from ..core.registry import register_scaled_op
 from ..core.vma import varying_axes
 from .base_scaling import as_scale, is_numpy, mul_data, scale_div, unit_scaled_sum, zero_to_one
+from .subjaxpr import check_structure, eval_sub_jaxpr, fixed_point
 
 Array = Any
 
@@ -119,8 +117,6 @@ def _common_scale(x: ScaledArray, axes: Sequence, groups: Any) -> tuple[Array, A
         return x.data, scale
     common = jax.lax.pmax(scale, _axis_names(axes), axis_index_groups=groups)
     common = zero_to_one(common)  # all asserted zero
-    if is_known_pow2(scale):
-        mark_pow2(common)
     return mul_data(x.data, scale / common), common
 
 
@@ -208,8 +204,7 @@ def _scaled_move(prim: Primitive, x: Any, axes: Sequence, params: dict) -> Any:
         return plain
     scale = as_scale(x.scale)
     if _scale_may_vary(x, axes):
-        moved = prim.bind(scale, **params)
-        scale = mark_pow2(moved) if is_known_pow2(scale) else moved
+        scale = prim.bind(scale, **params)
     return ScaledArray(prim.bind(x.data, **params), scale)
 
 
@@ -241,15 +236,6 @@ def scaled_reshard(x: Any, **params) -> Any:
 
 
 # --- shard_map --------------------------------------------------------------------------------
-class _OutputsChanged(Exception):
-    """Raised while tracing a shard_map body whose outputs are scaled where assumed plain."""
-
-    def __init__(self, owner: object, scaled: tuple[bool, ...]):
-        super().__init__("internal to jax_scalify: shard_map output structure changed, retracing")
-        self.owner = owner
-        self.scaled = scaled
-
-
 def _sync_output(x: ScaledArray, manual_axes: frozenset, check_vma: bool) -> tuple[Array, Array]:
     """``(data, scale)`` of a body output with its scale equal on every device (``out_specs`` ``P()``)."""
     scale = as_scale(x.scale)
@@ -263,8 +249,6 @@ def _sync_output(x: ScaledArray, manual_axes: frozenset, check_vma: bool) -> tup
         return x.data, scale
     common = jax.lax.pmax(scale, tuple(sorted(axes, key=str)))
     common = zero_to_one(common)  # all asserted zero
-    if is_known_pow2(scale):
-        mark_pow2(common)
     return mul_data(x.data, scale_div(scale, common)), common
 
 
@@ -278,7 +262,6 @@ def scaled_shard_map(*args: Any, jaxpr, mesh, in_specs, out_specs, check_vma: bo
     body_jaxpr, consts = (jaxpr.jaxpr, jaxpr.consts) if isinstance(jaxpr, ClosedJaxpr) else (jaxpr, ())
     manual_axes = frozenset(newly_manual_axes)
     const_scales = [isinstance(a, ScaledArray) and is_numpy(a.scale) for a in args]
-    pow2_in = [isinstance(a, ScaledArray) and is_known_pow2(as_scale(a.scale)) for a in args]
     flat_args, flat_in_specs = [], []
     for arg, spec, const in zip(args, in_specs, const_scales):
         if isinstance(arg, ScaledArray) and not const:
@@ -289,36 +272,27 @@ def scaled_shard_map(*args: Any, jaxpr, mesh, in_specs, out_specs, check_vma: bo
             flat_in_specs.append(spec)
     out_floating = [is_floating_dtype(v.aval.dtype) for v in body_jaxpr.outvars]
     any_scaled = any(isinstance(a, ScaledArray) for a in args)
-    owner = object()
-    pow2_out: list = []
 
-    def run(scaled: tuple[bool, ...]):
+    def run(scaled: tuple[bool, ...], owner: object):
         def body(*flat):
             it = iter(flat)
             inputs = []
-            for arg, const, known in zip(args, const_scales, pow2_in):
+            for arg, const in zip(args, const_scales):
                 if isinstance(arg, ScaledArray):
                     data = next(it)
                     scale = arg.scale if const else next(it)
-                    if known and not const:
-                        mark_pow2(scale)
-                    inputs.append((AnyScaleArray if isinstance(arg, AnyScaleArray) else ScaledArray)(data, scale))
+                    inputs.append(ScaledArray.unchecked(data, scale, any_scale=arg.any_scale))
                 else:
                     inputs.append(next(it))
-            outs = eval_scaled_jaxpr(body_jaxpr, consts, inputs)
-            grown = tuple(s or isinstance(o, ScaledArray) for s, o in zip(scaled, outs))
-            if grown != scaled:
-                raise _OutputsChanged(owner, grown)
+            outs = eval_sub_jaxpr(body_jaxpr, consts, inputs)
+            check_structure(owner, outs, scaled)
             flat_outs = []
-            pow2_out[:] = []
             for out, is_scaled in zip(outs, scaled):
                 if not is_scaled:
                     flat_outs.append(out)
-                    pow2_out.append(False)
                     continue
                 if not isinstance(out, ScaledArray):
                     out = ScaledArray(out, np.ones((), as_scale(1).dtype))
-                pow2_out.append(is_known_pow2(as_scale(out.scale)))
                 flat_outs += list(_sync_output(out, manual_axes, check_vma))
             return tuple(flat_outs)
 
@@ -335,24 +309,9 @@ def scaled_shard_map(*args: Any, jaxpr, mesh, in_specs, out_specs, check_vma: bo
         )
         return mapped(*flat_args)
 
-    scaled = tuple(f and any_scaled for f in out_floating)
-    for _ in range(len(scaled) + 1):
-        try:
-            flat_outs = run(scaled)
-            break
-        except _OutputsChanged as err:
-            if err.owner is not owner:
-                raise
-            scaled = err.scaled
+    scaled, flat_outs = fixed_point(run, [f and any_scaled for f in out_floating])
     it = iter(flat_outs)
-    outs = []
-    for is_scaled, known in zip(scaled, pow2_out):
-        if is_scaled:
-            data, scale = next(it), next(it)
-            outs.append(ScaledArray(data, mark_pow2(scale) if known else scale))
-        else:
-            outs.append(next(it))
-    return outs
+    return [ScaledArray(next(it), next(it)) if is_scaled else next(it) for is_scaled in scaled]
 
 
 __all__ = [

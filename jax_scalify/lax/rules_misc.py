@@ -1,4 +1,4 @@
-"""Scale rules of the primitives that pass values through: ``name``, ``device_put``, ``closed_call``.
+"""Scale rules of the primitives that pass values through: ``name`` and ``device_put``.
 
 - ``name`` (``jax.ad_checkpoint.checkpoint_name``): the data carries the name, the scale is
   unchanged; a traced scale is named too, so a checkpoint policy that saves the name saves
@@ -7,10 +7,6 @@
   ``jnp.array``): the data goes where the plain value would go, with the same copy
   semantics; a traced scale goes along, replicated over a ``NamedSharding``'s mesh (a
   scalar cannot be partitioned). Scales folded at trace time stay constants.
-- ``closed_call``: JAX emits it when partial evaluation splits a jaxpr, e.g. in the backward
-  pass of a ``jax.checkpoint`` holding a ``scan``; the sub-jaxpr is evaluated inline by the
-  scalify interpreter (a closed call has no semantics of its own to keep). ``call`` (the
-  open-jaxpr variant) is not emitted by ``jax.make_jaxpr`` in JAX 0.10 and has no rule.
 """
 from __future__ import annotations
 
@@ -18,11 +14,9 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
-from ..core.interpreter import eval_closed_jaxpr
 from ..core.registry import register_scaled_lax_op
 from .base_scaling import with_scalar_scale
 
@@ -75,10 +69,4 @@ def scaled_device_put(
     ]
 
 
-@register_scaled_lax_op(unpromoted_inputs=True)
-def scaled_closed_call(*args: Any, call_jaxpr: ClosedJaxpr, **params) -> list:
-    """Sub-jaxpr evaluated inline by the scalify interpreter (unscaled inputs stay unscaled)."""
-    return eval_closed_jaxpr(call_jaxpr, args)
-
-
-__all__ = ["scaled_closed_call", "scaled_device_put", "scaled_name"]
+__all__ = ["scaled_device_put", "scaled_name"]

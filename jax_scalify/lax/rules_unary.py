@@ -27,7 +27,6 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
 from ..core.registry import register_scaled_lax_op, register_scaled_op
-from ..core.known_pow2 import is_known_pow2, mark_pow2
 from .base_scaling import (
     ScaleMap,
     as_scale,
@@ -50,8 +49,7 @@ def _scale_floored_at_one(scale: Array) -> Array:
     """``max(s, 1)``; a non-finite scale gives 1."""
     s = as_scale(scale)
     finite = np.isfinite(s) if is_numpy(s) else jax.lax.is_finite(s)
-    out = as_scale(select(finite & (s > 1), s, as_scale(1)))
-    return mark_pow2(out) if is_known_pow2(s) else out
+    return as_scale(select(finite & (s > 1), s, as_scale(1)))
 
 
 def _on_value_rule(prim: Primitive, out_scale: ScaleMap, doc: str) -> Callable[..., ScaledArray]:

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.array import ScaledArray
-from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..lax.base_scaling import as_scale
 
 Array = Any
@@ -69,19 +68,18 @@ def scaled_output(data: Array, dtype: Any, scale: Array) -> ScaledArray:
 
 
 def pow2_scale(scale: Array) -> Array:
-    """``scale`` in the scale dtype, recorded as an exact power of two (or 0/inf/nan).
+    """``scale``, a power of two by construction (or 0/inf/nan), in the scale dtype.
 
-    Only for scales that are powers of two by construction: rules downstream then use their
-    cheap exact shortcuts (see :mod:`jax_scalify.core.known_pow2`).
+    Every scale is a power of two by contract (see :func:`jax_scalify.core.pow2.scales_are_pow2`);
+    the callers build theirs from powers of two so as to honour it.
     """
-    return mark_pow2(as_scale(scale))
+    return as_scale(scale)
 
 
 def max_with_one(scale: Array) -> Array:
-    """``max(scale, 1)`` in the scale dtype; a power of two when ``scale`` is a known one."""
+    """``max(scale, 1)`` in the scale dtype; a power of two when ``scale`` is one."""
     scale = as_scale(scale)
-    out = as_scale(np.maximum(scale, 1) if isinstance(scale, np.ndarray) else jnp.maximum(scale, 1))
-    return mark_pow2(out) if is_known_pow2(scale) else out
+    return as_scale(np.maximum(scale, 1) if isinstance(scale, np.ndarray) else jnp.maximum(scale, 1))
 
 
 def largest_pow2(dtype: Any) -> float:

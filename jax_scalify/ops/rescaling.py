@@ -45,7 +45,6 @@ from ..core.config import Pow2RoundMode, ScalifyConfig, get_scalify_config
 from ..core.interpreter import scalify
 from ..core.policy import STATIC_POLICY, active_policy, is_rescalable, was_rescaled
 from ..core.registry import ScaledPrimitiveType, register_scaled_op
-from ..core.known_pow2 import is_known_pow2, mark_pow2
 from ..core.pow2 import pow2_round, pow2_round_down
 from ..lax.base_scaling import as_scale, mul_data
 from ..lax.primitives import get_data_scale, rebalance, scaled_rebalance
@@ -169,17 +168,14 @@ def rescale_scaled_array(x: ScaledArray, norm: Norm = "l2", sample_size: int | N
     rounding and guards, without a ``jit`` equation around it. With ``sample_size`` the
     statistic is that of a strided sample of at most about that many elements
     (:func:`strided_sample`): enough to choose a power of two, at a fraction of the cost of
-    reading the whole tensor. A scale known to be a power of two stays known (the factor is
-    one, unless rounding is ``NONE``).
+    reading the whole tensor. A power-of-two scale stays one (so is the factor, unless
+    rounding is ``NONE``).
     """
     config = get_scalify_config()
     data = strided_sample(jax.lax.stop_gradient(x.data), sample_size)
     stat = _norm_fn(norm)(data.astype(_work_dtype(data.dtype)))
     scale = as_scale(x.scale)
-    out = scaled_rebalance(x, _rescale_factor(stat, jnp.asarray(scale), config.rounding_mode, None))
-    if config.rounding_mode != Pow2RoundMode.NONE and is_known_pow2(scale):
-        mark_pow2(out.scale)
-    return out
+    return scaled_rebalance(x, _rescale_factor(stat, jnp.asarray(scale), config.rounding_mode, None))
 
 
 def _one_pass_statistic(data: Array, norm: str) -> Array:
@@ -251,10 +247,7 @@ def rescale_scaled_arrays(
         inverses, new_scales = 1 / factors, scales * factors
     outs = []
     for i, x in enumerate(xs):
-        out = ScaledArray(mul_data(x.data, inverses[i]), new_scales[i])
-        if mode != Pow2RoundMode.NONE and is_known_pow2(as_scale(x.scale)):
-            mark_pow2(out.scale)
-        outs.append(out)
+        outs.append(ScaledArray(mul_data(x.data, inverses[i]), new_scales[i]))
     return outs
 
 

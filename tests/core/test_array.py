@@ -5,6 +5,8 @@ import pytest
 
 import jax_scalify as jsa
 from jax_scalify import ScaledArray
+from jax_scalify.core.promotion import any_scale_array
+from jax_scalify.core.array import ScaleFacts
 
 
 def test_properties_and_value():
@@ -244,3 +246,40 @@ def test_device_check_of_scalify_inputs_agrees_with_the_host_check(dtype):
                 host_ok = array_module._scale_problem(np.asarray(scale.astype(jnp.float32))) is None
                 device_ok = bool(array_module._device_scales_valid(mode != jsa.Pow2RoundMode.NONE, scale))
             assert host_ok == device_ok, (value, mode)
+
+
+# --- ScaleFacts: what is known about a value, as pytree aux data ----------------------------------
+def test_a_plain_scaled_array_has_no_facts_in_its_treedef():
+    x = jsa.ScaledArray(jnp.ones(3), np.float32(2.0))
+    leaves, treedef = jax.tree.flatten(x)
+    assert len(leaves) == 2 and treedef == jax.tree.structure(jsa.ScaledArray(jnp.zeros(3), np.float32(4.0)))
+    assert x.facts == ScaleFacts() and x.plain() is x
+
+
+def test_facts_distinguish_treedefs_and_survive_flatten_unflatten():
+    zeros = any_scale_array(jnp.zeros(4), np.float32(1.0))
+    stacked = jsa.ScaledArray.unchecked(jnp.ones((3, 2)), np.float32(4.0), slices=(jnp.ones((3, 2)), jnp.ones(3)))
+    plain = jsa.ScaledArray(jnp.zeros(4), np.float32(1.0))
+    assert jax.tree.structure(zeros) != jax.tree.structure(plain)
+    assert len(jax.tree.leaves(stacked)) == 4
+    for x in (zeros, stacked):
+        back = jax.tree.unflatten(*reversed(jax.tree.flatten(x)))
+        assert back.facts == x.facts
+    assert not zeros.plain().any_scale and stacked.plain().slices is None
+    assert zeros.astype(jnp.float16).any_scale  # a cast keeps a zero zero
+
+
+def test_facts_cross_jit_with_the_value():
+    zeros = any_scale_array(jnp.zeros(4), jnp.float32(1.0))
+    x = jsa.ScaledArray(jnp.full(4, 3.0), jnp.float32(2.0**10))
+    passed, largest = jax.jit(lambda z, v: (z, jsa.lax.scaled_max(v, z)))(zeros, x)
+    assert passed.any_scale
+    assert float(largest.scale) == 2.0**10  # inside the jitted function the zero adopted x's scale
+    np.testing.assert_array_equal(np.asarray(largest.to_array()), np.full(4, 3.0 * 2.0**10))
+
+
+def test_scalify_returns_scaled_arrays_without_facts():
+    fn = jsa.scalify(lambda x: jax.lax.scan(lambda c, _: (c, c * 2.0), x, None, length=3))
+    carry, ys = fn(jsa.as_scaled_array(jnp.ones(2)))
+    assert carry.facts == ScaleFacts() and ys.facts == ScaleFacts()
+    np.testing.assert_allclose(np.asarray(ys.to_array()), np.full((3, 2), 2.0))

@@ -1,12 +1,18 @@
+import itertools
+
 import hypothesis.strategies as st
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
 
+import jax_scalify as jsa
 from jax_scalify.core import (
     Pow2RoundMode,
+    ScaledArray,
+    ScalifyConfig,
     get_mantissa,
     pow2_decompose,
     pow2_exponent,
@@ -14,6 +20,8 @@ from jax_scalify.core import (
     pow2_round_down,
     pow2_round_up,
 )
+from jax_scalify.core.pow2 import pow2_round_positive_or_one, scales_are_pow2
+from tests.invariance import assert_pow2_scales
 
 SPECIALS = np.array([0.0, -0.0, np.inf, -np.inf, np.nan], np.float32)
 
@@ -109,3 +117,104 @@ def test_decompose_subnormals_float32_jax_matches_numpy():
         np.testing.assert_array_equal(np.asarray(jax_scale), np_scale)
         np.testing.assert_array_equal(np.asarray(jax_mantissa), np_mantissa)
     assert float(pow2_round_down(jnp.asarray(np.float32(3 * 2.0**-140)))) == 2.0**-139
+
+
+# --- lean bit-level pow2 functions (single lax operations, no nested jit) -------------------------
+def _count_equations(jaxpr, name=None) -> int:
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += name is None or eqn.primitive.name == name
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += _count_equations(getattr(sub, "jaxpr", sub), name)
+    return n
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, jnp.bfloat16, jnp.float8_e4m3fn])
+def test_lean_jax_pow2_functions_match_numpy(dtype):
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(512) * 10.0 ** rng.uniform(-40, 40, 512)
+    specials = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-44, 3e-39, 2.0**-149, 3 * 2.0**-140, -5e-42, 1.0, 2.0, 0.5]
+    with np.errstate(over="ignore"):
+        x = np.concatenate([values, specials]).astype(np.float32).astype(dtype)
+    for fn in (pow2_round_down, pow2_round_up, pow2_exponent):
+        expected = np.asarray(fn(x)).astype(np.float64)
+        for got in (fn(jnp.asarray(x)), jax.jit(fn)(jnp.asarray(x))):
+            got = np.asarray(got).astype(np.float64)
+            np.testing.assert_array_equal(got, expected, err_msg=f"{fn.__name__} {np.dtype(dtype).name}")
+
+
+def test_lean_round_emits_no_nested_jit():
+    jaxpr = jax.make_jaxpr(pow2_round_down)(np.float32(3))
+    assert _count_equations(jaxpr.jaxpr, "jit") == 0 and _count_equations(jaxpr.jaxpr) <= 16
+
+
+# --- the power-of-two contract ------------------------------------------------------------------
+def test_scales_are_pow2_unless_rounding_is_off():
+    assert scales_are_pow2()
+    with ScalifyConfig(rounding_mode=Pow2RoundMode.UP):
+        assert scales_are_pow2()
+    with ScalifyConfig(rounding_mode=Pow2RoundMode.NONE):
+        assert not scales_are_pow2()
+
+
+SPECIAL_SCALES = [0.0, np.inf, np.nan, 2.0**-149, 2.0**-127, 2.0**-126, 2.0**-20, 0.5, 1.0, 2.0, 2.0**30, 2.0**127]
+
+
+@jax.jit
+def _general_sum_scale(sa, sb):
+    """The scale of a sum for any scales, ``pow2_round_down(sqrt(sa**2 + sb**2))`` (1 if not positive)."""
+    hi, lo = jnp.maximum(sa, sb), jnp.minimum(sa, sb)
+    return pow2_round_positive_or_one(hi * jnp.sqrt(1 + (lo / hi) ** 2), Pow2RoundMode.DOWN)
+
+
+@pytest.mark.parametrize("sa, sb", list(itertools.product(SPECIAL_SCALES, repeat=2)))
+def test_sum_scale_shortcut_equals_the_general_formula(sa, sb):
+    """For power-of-two (or 0, inf, nan) scales the add rule's ``max(sa, sb)`` is the general formula's scale."""
+    a = ScaledArray.unchecked(jnp.asarray([1.0, -2.0, 3.0]), jnp.float32(sa))
+    b = ScaledArray.unchecked(jnp.asarray([0.5, 0.25, -1.0]), jnp.float32(sb))
+    out = jax.jit(jsa.lax.scaled_add)(a, b)
+    np.testing.assert_array_equal(np.asarray(out.scale), np.asarray(_general_sum_scale(jnp.float32(sa), jnp.float32(sb))))
+
+
+def test_sum_of_traced_scales_emits_no_sqrt_unless_rounding_is_off():
+    x = jsa.as_scaled_array(jnp.ones((4, 4)))
+    contract = jax.make_jaxpr(lambda a, b: jsa.lax.scaled_add(a, b))(x, x).jaxpr
+    with ScalifyConfig(rounding_mode=Pow2RoundMode.NONE):  # a fresh function: JAX caches traces per function
+        general = jax.make_jaxpr(lambda a, b: jsa.lax.scaled_add(a, b))(x, x).jaxpr
+    assert _count_equations(contract, "sqrt") == 0 and _count_equations(general, "sqrt") == 1
+    assert _count_equations(contract) < _count_equations(general)  # (the general path under NONE does not even round)
+
+
+def _sums_in_jit_and_scan(x, w):
+    h = jnp.tanh(x @ w) + x
+    h = jax.jit(lambda v: v * 3.0 + v)(h)
+    h, _ = jax.lax.scan(lambda c, _: (c @ w + c, None), h, None, length=3)
+    return h * 3.0 - h
+
+
+def test_every_sum_takes_the_shortcut_in_jit_and_scan_bodies():
+    """No power-of-two bookkeeping at the jit and scan boundaries: scales are powers of two there too."""
+    static = jsa.RescalePolicy.static()
+    x = jsa.as_scaled_array(jnp.ones((4, 4)))
+    assert _count_equations(jax.make_jaxpr(jsa.scalify(_sums_in_jit_and_scan, policy=static))(x, x).jaxpr, "sqrt") == 0
+    rng = np.random.default_rng(0)
+    args = [jsa.as_scaled_array(jnp.asarray(rng.standard_normal((4, 4)), jnp.float32)) for _ in range(2)]
+    expected = _sums_in_jit_and_scan(*jsa.asarray(args))
+    got = jsa.scalify(_sums_in_jit_and_scan, policy=static)(*args)
+    assert_pow2_scales(got)
+    np.testing.assert_allclose(np.asarray(got.to_array()), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rounding_off_takes_the_general_path_with_scales_that_are_no_powers_of_two():
+    static = jsa.RescalePolicy.static()
+    rng = np.random.default_rng(1)
+    values = [jnp.asarray(rng.standard_normal((4, 4)), jnp.float32) for _ in range(2)]
+    expected = _sums_in_jit_and_scan(*values)
+    with ScalifyConfig(rounding_mode=Pow2RoundMode.NONE):
+        args = [jsa.as_scaled_array(v, scale=np.float32(3.0)) for v in values]
+        fn = jsa.scalify(_sums_in_jit_and_scan, policy=static)
+        assert _count_equations(jax.make_jaxpr(fn)(*args).jaxpr, "sqrt") >= 3  # the sums of the body, jit and scan
+        got = fn(*args)
+    mantissa = np.frexp(np.float64(got.scale))[0]
+    assert mantissa != 0.5  # a scale of 3 * sqrt(2)**k: rounding is off, so none is a power of two
+    np.testing.assert_allclose(np.asarray(got.to_array()), expected, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Rules of jit, custom_jvp_call and custom_vjp_call."""
+"""Rules of jit, closed_call, custom_jvp_call and custom_vjp_call."""
 import functools
 
 import jax
@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_scalify as jsa
+from jax_scalify.lax import rules_calls
 from tests.invariance import invariance_test, Case, normal
 
 
@@ -30,12 +31,23 @@ def jitted_poly(x, y, power=2):
     return x**power + jnp.where(y > 0, y, 0.0)
 
 
+def _scan_product(x):
+    def body(carry, row):
+        return carry * 0.5 + row * carry, carry
+
+    return jax.lax.scan(body, x[0], x)[0]
+
+
+# The backward pass of a checkpointed scan holds a closed_call (partial evaluation of the scan).
+_remat_scan = jax.checkpoint(_scan_product)
+
 INVARIANCE_CASES = [
     Case("jit", lambda x, y: jitted_poly(x, y), [normal(3, 4), normal(3, 4)], grad=True),
     Case("jit_nested", jax.jit(lambda x: jax.jit(jnp.tanh)(x) * 2.0), [normal(5)], grad=True),
     Case("custom_jvp", soft_abs, [normal(6)], grad=True),
     Case("custom_vjp", clipped_square, [normal(6)], grad=True),
     Case("jax_nn_relu", jax.nn.relu, [normal(2, 3)], grad=True),
+    Case("closed_call", _remat_scan, [normal(4, 3)], grad=True),
 ]
 
 
@@ -65,3 +77,25 @@ def test_repeated_eager_calls_reuse_the_compiled_jit():
     before = jsa.lax.rules_calls._jitted_body.cache_info().hits
     fn(x)
     assert jsa.lax.rules_calls._jitted_body.cache_info().hits > before
+
+
+def test_jit_body_bakes_constant_scales():
+    """A ScaledArray with a constant scale passes only its data into a jitted call."""
+    inner = jax.jit(lambda v: v * 2.0)
+    static = jsa.RescalePolicy.static()
+
+    def fn(data):  # the scale is a trace-time constant of the traced function
+        return jsa.scalify(lambda v: inner(v), policy=static)(jsa.ScaledArray(data, np.float32(4.0)))
+
+    jaxpr = jax.make_jaxpr(fn)(jnp.ones(3)).jaxpr
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "jit"]
+    assert len(eqn.invars) == 1
+    np.testing.assert_allclose(np.asarray(fn(jnp.ones(3)).to_array()), np.full(3, 8.0))
+
+
+def test_closed_call_is_emitted_by_the_case():
+    assert "closed_call" in str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(_remat_scan(x))))(np.ones((4, 3), np.float32)))
+
+
+def test_call_rules_are_exported():
+    assert jsa.lax.scaled_closed_call is rules_calls.scaled_closed_call
