@@ -4,14 +4,24 @@ Reproduces the configurations of table 3 of "Scalify" (Balança et al., 2024) ne
 usual alternatives:
 
     python -m experiments.train_gpt --data ../shared/data/tinyshakespeare.txt \
-        --configs all --steps 500 --eval-every 50 --out docs/experiments
+        --configs main --steps 300 --eval-every 50 --out docs/experiments
 
-For each configuration (``--configs all`` or a comma-separated list of the names in
-``CONFIGS``) it trains from the same initial weights on the same batches, evaluates the
-validation loss on a fixed set of batches every ``--eval-every`` steps and at the end, and
-writes ``gpt_results.json`` (dtypes, losses, curves, time per step, divergence) and
-``gpt_loss_curves.png`` into ``--out``, then prints a table. Scalified configurations run
-``jax.jit(jsa.scalify(update))``, the others ``jax.jit(update)``.
+For each configuration (``--configs`` takes ``all``, a group of ``GROUPS`` or a
+comma-separated list of the names in ``CONFIGS``) it trains from the same initial weights
+on the same batches, evaluates the validation loss on a fixed set of batches every
+``--eval-every`` steps and at the end, and writes ``gpt_results.json`` (dtypes, losses,
+curves, time per step, divergence) and ``gpt_loss_curves.png`` into ``--out``, then prints
+a table. Scalified configurations run ``jax.jit(jsa.scalify(update, policy=...))``, the
+others ``jax.jit(update)``.
+
+Two recipes of scalify are compared:
+
+- ``scalify_*`` (the README recipe): the default rescale policy and no rescale call
+  anywhere in the model or the update; FP16 Adam moments are stored with
+  ``jsa.optim.scale_state``;
+- ``scalify_*_manual`` (the paper's placement): the static policy, a dynamic rescale of
+  every LayerNorm input gradient, and for FP16 moments a hand-written wrapper that rescales
+  the weight gradients and the moments (``stored_in``).
 """
 from __future__ import annotations
 
@@ -56,8 +66,23 @@ class RunConfig:
     master: Any = F32  # master weights
     opt_state: Any = F32  # Adam moments
     scalify: bool = False
-    grad_rescale: bool = False  # dynamic L2 rescale of the gradients before the optimizer
+    manual: bool = False  # scalify with the static policy and the paper's manual rescales
     loss_scale: bool = False  # dynamic loss scaling (unscaled configurations only)
+
+    @property
+    def policy(self) -> jsa.RescalePolicy | None:
+        """The rescale policy of a scalified configuration (None: scalify's default)."""
+        return jsa.RescalePolicy.static() if self.manual else None
+
+    @property
+    def uses_scale_state(self) -> bool:
+        """Narrow Adam moments stored by ``jsa.optim.scale_state`` (the README recipe)."""
+        return self.scalify and not self.manual and self.opt_state != F32
+
+    @property
+    def grad_rescale(self) -> bool:
+        """Dynamic L2 rescale of the weight gradients before FP16 Adam (manual placement only)."""
+        return self.manual and self.opt_state != F32
 
     def dtypes(self) -> dict[str, str]:
         """The formats of this configuration, for the results file."""
@@ -70,18 +95,20 @@ class RunConfig:
             "weight_grads": _name(self.master),
             "optimizer_state": _name(self.opt_state) + ("" if self.opt_state == F32 else " storage, float32 arithmetic"),
             "scales": "float32 power-of-two" if self.scalify else "none",
-            "dynamic_rescale": ", ".join(
-                s
-                for s, on in (
-                    ("LayerNorm input grads", p.ln_grad_rescale),
-                    ("weight grads", self.grad_rescale),
-                    ("Adam moments", self.scalify and self.opt_state != F32),
-                )
-                if on
-            )
-            or "none",
+            "rescale_policy": ("static" if self.manual else "default") if self.scalify else "n/a",
+            "dynamic_rescale": self._rescales(),
             "loss_scaling": "dynamic (2^15 start, x0.5 on overflow, x2 every 200 good steps)" if self.loss_scale else "none",
         }
+
+
+    def _rescales(self) -> str:
+        if not self.scalify:
+            return "none"
+        if not self.manual:
+            where = "default policy (gradients leaving the backward pass, loop carries, returned state)"
+            return where + ("; scale_state (Adam moments, gradients, updates)" if self.opt_state != F32 else "")
+        manual = ["LayerNorm input grads"] + (["weight grads", "Adam moments"] if self.grad_rescale else [])
+        return "manual: " + ", ".join(manual)
 
 
 def _name(dtype) -> str:
@@ -90,8 +117,9 @@ def _name(dtype) -> str:
 
 def _configs() -> dict[str, RunConfig]:
     fp16 = Precision(compute=F16)
-    scaled16 = Precision(compute=F16, ln_grad_rescale=True)
-    scaled8 = Precision(compute=F16, fp8=True, ln_grad_rescale=True)
+    fp8 = Precision(compute=F16, fp8=True)
+    manual16 = Precision(compute=F16, ln_grad_rescale=True)
+    manual8 = Precision(compute=F16, fp8=True, ln_grad_rescale=True)
     runs = [
         RunConfig("fp32", "FP32", "#0", Precision(compute=F32)),
         RunConfig("fp16", "FP16, no scaling", "", fp16),
@@ -99,38 +127,76 @@ def _configs() -> dict[str, RunConfig]:
         RunConfig("bf16", "BF16, no scaling", "", Precision(compute=BF16)),
         # Unscaled counterparts of #2 and #3: the same formats without scalify.
         RunConfig("fp16_master", "FP16 + FP16 master, no scaling", "", fp16, master=F16),
-        RunConfig("fp8", "FP8 matmuls + FP16 master, no scaling", "", Precision(compute=F16, fp8=True), master=F16),
-        RunConfig("scalify_fp16", "scalify FP16", "#1", scaled16, scalify=True),
-        RunConfig("scalify_fp16_master", "scalify FP16 + FP16 master", "#2", scaled16, master=F16, scalify=True),
-        RunConfig("scalify_fp8", "scalify FP8 matmuls", "#3", scaled8, master=F16, scalify=True),
+        RunConfig("fp8", "FP8 matmuls + FP16 master, no scaling", "", fp8, master=F16),
+        # The whole training state in 16 bits (weights and Adam moments), without scalify.
+        RunConfig("fp16_state", "FP16 weights + FP16 Adam, no scaling", "", fp16, master=F16, opt_state=F16),
         RunConfig(
-            "scalify_fp8_fp16_adam", "scalify FP8 + FP16 Adam", "#4", scaled8, master=F16, opt_state=F16,
-            scalify=True, grad_rescale=True,
+            "fp16_state_loss_scale", "FP16 weights + FP16 Adam, loss scaling", "", fp16, master=F16, opt_state=F16,
+            loss_scale=True,
+        ),
+        RunConfig("bf16_state", "BF16 weights + BF16 Adam, no scaling", "", Precision(compute=BF16), master=BF16, opt_state=BF16),
+        # Scalify, README recipe: default rescale policy, no rescale call in the model or update.
+        RunConfig("scalify_fp16", "scalify FP16", "#1", fp16, scalify=True),
+        RunConfig("scalify_fp16_master", "scalify FP16 + FP16 master", "#2", fp16, master=F16, scalify=True),
+        RunConfig("scalify_fp8", "scalify FP8 matmuls", "#3", fp8, master=F16, scalify=True),
+        RunConfig("scalify_fp8_fp16_adam", "scalify FP8 + FP16 Adam", "#4", fp8, master=F16, opt_state=F16, scalify=True),
+        RunConfig("scalify_fp16_fp16_adam", "scalify FP16 + FP16 Adam", "", fp16, master=F16, opt_state=F16, scalify=True),
+        # Scalify, the paper's placement: static policy and manual rescales.
+        RunConfig("scalify_fp16_manual", "scalify FP16, manual", "#1", manual16, scalify=True, manual=True),
+        RunConfig(
+            "scalify_fp16_master_manual", "scalify FP16 + FP16 master, manual", "#2", manual16, master=F16,
+            scalify=True, manual=True,
+        ),
+        RunConfig("scalify_fp8_manual", "scalify FP8 matmuls, manual", "#3", manual8, master=F16, scalify=True, manual=True),
+        RunConfig(
+            "scalify_fp8_fp16_adam_manual", "scalify FP8 + FP16 Adam, manual", "#4", manual8, master=F16, opt_state=F16,
+            scalify=True, manual=True,
         ),
     ]
     return {r.name: r for r in runs}
 
 
 CONFIGS = _configs()
+_PAPER = ("scalify_fp16", "scalify_fp16_master", "scalify_fp8", "scalify_fp8_fp16_adam")
+GROUPS = {
+    # The paper's table: the baselines, #1-#4 with the default policy and with manual placement.
+    "main": ("fp32", "fp16", "fp16_loss_scale", "bf16") + _PAPER + tuple(n + "_manual" for n in _PAPER),
+    # Weights and Adam moments in 16 bits too: where plain FP16 fails.
+    "state16": (
+        "fp32", "fp16_state", "fp16_state_loss_scale", "bf16_state", "scalify_fp16_fp16_adam", "scalify_fp8_fp16_adam",
+    ),
+    "unscaled_counterparts": ("fp32", "fp16_master", "fp8"),
+}
 
 
 def select_configs(spec: str) -> list[RunConfig]:
-    """``"all"`` or a comma-separated list of names of ``CONFIGS``."""
+    """``"all"``, a name of ``GROUPS``, or a comma-separated list of names of ``CONFIGS``."""
     if spec == "all":
         return list(CONFIGS.values())
+    if spec in GROUPS:
+        return [CONFIGS[n] for n in GROUPS[spec]]
     names = [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
-        raise SystemExit(f"Unknown configuration(s) {unknown}; choose from {list(CONFIGS)} or 'all'.")
+        raise SystemExit(
+            f"Unknown configuration(s) {unknown}; choose from {list(CONFIGS)}, a group {list(GROUPS)} or 'all'."
+        )
     return [CONFIGS[n] for n in names]
 
 
 # --- optimiser and update ---------------------------------------------------------------------
-def make_optimizer(steps: int, lr: float, warmup: int, state_dtype=F32) -> optax.GradientTransformation:
-    """Adam with linear warmup then cosine decay to ``lr / 10``, moments stored in ``state_dtype``."""
+def make_optimizer(steps: int, lr: float, warmup: int, run: RunConfig) -> optax.GradientTransformation:
+    """Adam with linear warmup then cosine decay to ``lr / 10``, moments stored as ``run`` says.
+
+    Narrow moments are stored with ``jsa.optim.scale_state`` under the default policy, with
+    the hand-written :func:`stored_in` under manual placement, and in the parameters' dtype
+    (plain ``optax.adam`` on narrow parameters) without scalify.
+    """
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr / 10)
     adam = optax.adam(schedule, b1=0.9, b2=0.99, eps=1e-8)
-    return adam if np.dtype(state_dtype) == np.float32 else stored_in(adam, state_dtype)
+    if np.dtype(run.opt_state) == np.float32 or not run.scalify:
+        return adam
+    return stored_in(adam, run.opt_state) if run.manual else jsa.optim.scale_state(adam, run.opt_state)
 
 
 def stored_in(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
@@ -171,7 +237,7 @@ def make_update(run: RunConfig, cfg: GPTConfig, opt: optax.GradientTransformatio
     def grads_to_optimizer(grads):
         if run.grad_rescale:
             grads = jsa.ops.dynamic_rescale_l2(grads)
-        return _astype(grads, run.opt_state)
+        return grads if run.uses_scale_state else _astype(grads, run.opt_state)
 
     def apply(params, opt_state, grads):
         updates, opt_state = opt.update(grads, opt_state, params)
@@ -207,20 +273,24 @@ def make_update(run: RunConfig, cfg: GPTConfig, opt: optax.GradientTransformatio
 def init_state(run: RunConfig, params32, opt: optax.GradientTransformation) -> dict:
     """The training state of ``run`` from float32 parameters (``ScaledArray`` leaves if scalified)."""
     params = _astype(params32, run.master)
-    state = {"params": params, "opt": opt.init(params32)}
+    state = {"params": params, "opt": opt.init(_astype(params32, run.opt_state))}
     if run.loss_scale:
         state["loss_scale"] = jnp.asarray(LOSS_SCALE_INIT, F32)
         state["good_steps"] = jnp.asarray(0, jnp.int32)
         state["skipped_steps"] = jnp.asarray(0, jnp.int32)
     if run.scalify:
-        state = _scaled_state(state, params32, run)
+        state = _scaled_state(state, params32, run, opt)
     return state
 
 
-def _scaled_state(state: dict, params32, run: RunConfig) -> dict:
-    """Scaled state: scales chosen on the float32 values, then the data cast to its format."""
+def _scaled_state(state: dict, params32, run: RunConfig, opt: optax.GradientTransformation) -> dict:
+    """Scaled state: scales chosen on the float32 values, then the data cast to its format.
+
+    With ``jsa.optim.scale_state`` the moments come scaled from its ``init`` on the scaled
+    parameters (the README recipe); otherwise Adam's state is made ``ScaledArray``s.
+    """
     params = _astype(jsa.as_scaled_array(params32), run.master)
-    opt_state = jsa.as_scaled_array(state["opt"])
+    opt_state = opt.init(params) if run.uses_scale_state else jsa.as_scaled_array(state["opt"])
     return {**state, "params": params, "opt": opt_state}
 
 
@@ -231,7 +301,7 @@ def compile_fns(run: RunConfig, cfg: GPTConfig, opt, compiler_options: dict | No
     update = make_update(run, cfg, opt)
     evaluate = lambda params, batch: loss_fn(params, batch, cfg, run.precision)
     if run.scalify:
-        update, evaluate = jsa.scalify(update), jsa.scalify(evaluate)
+        update, evaluate = jsa.scalify(update, policy=run.policy), jsa.scalify(evaluate, policy=run.policy)
     to_plain = lambda x: jnp.asarray(jsa.asarray(x), F32)
     jit = lambda f: jax.jit(f, compiler_options=compiler_options)
     jit_update = jit(lambda s, b: (lambda loss, st: (to_plain(loss), st))(*update(s, b)))
@@ -248,7 +318,7 @@ def mean_loss(evaluate: Callable, params, batches: list[np.ndarray]) -> float:
 def train_one(run: RunConfig, cfg: GPTConfig, args, params32, train_batches, eval_sets, progress: bool = True) -> dict:
     """Train ``run`` for ``len(train_batches)`` steps; returns its entry of the results file."""
     steps = len(train_batches)
-    opt = make_optimizer(steps, args.lr, args.warmup, run.opt_state)
+    opt = make_optimizer(steps, args.lr, args.warmup, run)
     update, evaluate = compile_fns(run, cfg, opt, FAST_COMPILE if args.fast_compile else None)
     state = init_state(run, params32, opt)
     losses, val_curve, step_times = [], [], []
@@ -449,7 +519,7 @@ def time_configs(runs: list[RunConfig], cfg: GPTConfig, args, params32, batches,
     """
     states, updates, compile_s, times = {}, {}, {}, {r.name: [] for r in runs}
     for r in runs:
-        opt = make_optimizer(args.steps, args.lr, args.warmup, r.opt_state)
+        opt = make_optimizer(args.steps, args.lr, args.warmup, r)
         updates[r.name], _ = compile_fns(r, cfg, opt)
         states[r.name] = init_state(r, params32, opt)
         t0 = time.perf_counter()
@@ -472,7 +542,9 @@ def time_configs(runs: list[RunConfig], cfg: GPTConfig, args, params32, batches,
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True, help="UTF-8 text file (e.g. ../shared/data/tinyshakespeare.txt)")
-    p.add_argument("--configs", default="all", help=f"'all' or comma-separated among {','.join(CONFIGS)}")
+    p.add_argument(
+        "--configs", default="main", help=f"'all', a group ({', '.join(GROUPS)}) or comma-separated among {','.join(CONFIGS)}"
+    )
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)

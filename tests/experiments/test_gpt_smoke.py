@@ -42,7 +42,7 @@ def test_config_trains(setup, name):
     """A few Adam steps on one batch: finite losses that go down."""
     cfg, params32, batch = setup
     run_cfg = CONFIGS[name]
-    opt = make_optimizer(STEPS, 1e-2, 1, run_cfg.opt_state)
+    opt = make_optimizer(STEPS, 1e-2, 1, run_cfg)
     update, _ = compile_fns(run_cfg, cfg, opt, FAST_COMPILE)  # cheaper XLA compilation
     state = init_state(run_cfg, params32, opt)
     losses = []
