@@ -30,6 +30,7 @@ import dataclasses
 import json
 import math
 import platform
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -422,7 +423,7 @@ def _fmt(x: float | None, width: int, spec: str) -> str:
 
 def results_table(results: list[dict]) -> str:
     """A plain-text table of the results."""
-    head = f"{'config':<23}{'paper':>6}{'s/step':>8}{'train':>8}{'val':>8}{'val vs fp32':>13}{'NaN steps':>10}  status"
+    head = f"{'config':<30}{'paper':>6}{'s/step':>8}{'train':>8}{'val':>8}{'val vs fp32':>13}{'NaN steps':>10}  status"
     lines = [head, "-" * len(head)]
     for r in results:
         delta = r.get("delta_vs_fp32_pct_val_loss")
@@ -430,7 +431,7 @@ def results_table(results: list[dict]) -> str:
         if r["diverged"]:
             status = f"diverged at step {r['diverged_at_step']}" if r["diverged_at_step"] else "diverged"
         lines.append(
-            f"{r['name']:<23}{r['paper_config']:>6}{r['time_per_step_s']:>8.3f}{_fmt(r['final_train_loss'], 8, '.4f')}"
+            f"{r['name']:<30}{r['paper_config']:>6}{r['time_per_step_s']:>8.3f}{_fmt(r['final_train_loss'], 8, '.4f')}"
             f"{_fmt(r['final_val_loss'], 8, '.4f')}{_fmt(delta, 12, '+.2f')}{'%' if delta is not None else ' '}{r['nan_steps']:>10}  {status}"
         )
     return "\n".join(lines)
@@ -454,17 +455,21 @@ def plot_curves(results: list[dict], path: Path, title: str) -> None:
 
     fig, (ax_train, ax_val, ax_rel) = plt.subplots(1, 3, figsize=(16, 4.5))
     ref = next((dict(r["val_loss_curve"]) for r in results if r["name"] == "fp32"), {})
+    bases = list(dict.fromkeys(r["name"].removesuffix("_manual") for r in results))
+    palette = ["k", *plt.get_cmap("tab10").colors, "darkgoldenrod", "navy", "lime"]
     for r in results:
-        style = "-" if r["scalify"] else "--"
+        # A default-policy configuration and its manual placement share a colour.
+        line = {"color": palette[bases.index(r["name"].removesuffix("_manual")) % len(palette)], "linewidth": 1.2}
+        style = (":" if r["name"].endswith("_manual") else "-") if r["scalify"] else "--"
         label = f"{r['paper_config']} {r['label']}".strip()
         x, y = _smooth(r["train_loss_curve"], 20)
-        ax_train.plot(x, y, style, label=label, linewidth=1.2)
+        ax_train.plot(x, y, style, label=label, **line)
         vs = [(s, v) for s, v in r["val_loss_curve"] if v is not None]
         if vs:
-            ax_val.plot(*zip(*vs), style + "o", label=label, markersize=3, linewidth=1.2)
+            ax_val.plot(*zip(*vs), style + "o", label=label, markersize=3, **line)
         rel = [(s, 100 * (v - ref[s]) / ref[s]) for s, v in vs if ref.get(s)]
         if rel:
-            ax_rel.plot(*zip(*rel), style + "o", label=label, markersize=3, linewidth=1.2)
+            ax_rel.plot(*zip(*rel), style + "o", label=label, markersize=3, **line)
     finals = [r["final_val_loss"] for r in results if r["final_val_loss"] is not None]
     for ax, name in ((ax_train, "training loss (20-step moving average)"), (ax_val, "validation loss")):
         ax.set_ylabel("cross-entropy (nats / char)")
@@ -479,34 +484,46 @@ def plot_curves(results: list[dict], path: Path, title: str) -> None:
     for ax in (ax_train, ax_val, ax_rel):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    ax_val.legend(fontsize=8)
+    ax_val.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
+def plot_all(results: list[dict], meta: dict, out: Path) -> None:
+    """``gpt_loss_curves.png`` (every configuration), and ``gpt_loss_curves_<group>.png`` for
+    each group of ``GROUPS`` whose configurations all ran."""
+    plot_curves(results, out / "gpt_loss_curves.png", _plot_title(meta))
+    ran = {r["name"] for r in results}
+    for group, names in GROUPS.items():
+        if set(names) <= ran and len(names) < len(ran):
+            subset = [r for r in results if r["name"] in names]
+            plot_curves(subset, out / f"gpt_loss_curves_{group}.png", f"{group}: {_plot_title(meta)}")
+
+
 def replot(out: Path) -> None:
-    """Redraw ``gpt_loss_curves.png`` from ``gpt_results.json`` in ``out``."""
+    """Redraw the loss curves from ``gpt_results.json`` in ``out``."""
     with open(out / "gpt_results.json") as f:
         saved = json.load(f)
-    plot_curves(saved["results"], out / "gpt_loss_curves.png", _plot_title(saved["meta"]))
+    plot_all(saved["results"], saved["meta"], out)
 
 
 def _plot_title(meta: dict) -> str:
     return (
         f"char GPT {meta['model']['layers']}x{meta['model']['width']} ({meta['num_params']:,} params), "
-        f"{meta['steps']} steps x {meta['batch']}x{meta['model']['seq']} tokens; solid: scalify, dashed: unscaled"
+        f"{meta['steps']} steps x {meta['batch']}x{meta['model']['seq']} tokens; "
+        "solid: scalify (default policy), dotted: scalify (manual placement), dashed: unscaled"
     )
 
 
 def write_outputs(results: list[dict], meta: dict, out: Path) -> None:
-    """``gpt_results.json`` and ``gpt_loss_curves.png`` in ``out``."""
+    """``gpt_results.json`` and the loss curves (:func:`plot_all`) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     add_comparisons(results)
     with open(out / "gpt_results.json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
-    plot_curves(results, out / "gpt_loss_curves.png", _plot_title(meta))
+    plot_all(results, meta, out)
 
 
 # --- interleaved timing -------------------------------------------------------------------------
@@ -541,7 +558,7 @@ def time_configs(runs: list[RunConfig], cfg: GPTConfig, args, params32, batches,
 # --- CLI --------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True, help="UTF-8 text file (e.g. ../shared/data/tinyshakespeare.txt)")
+    p.add_argument("--data", help="UTF-8 text file (e.g. ../shared/data/tinyshakespeare.txt)")
     p.add_argument(
         "--configs", default="main", help=f"'all', a group ({', '.join(GROUPS)}) or comma-separated among {','.join(CONFIGS)}"
     )
@@ -559,12 +576,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-seed", type=int, default=None, help="seed of the fixed evaluation batches (default: --seed)")
     p.add_argument("--nan-patience", type=int, default=20, help="stop a configuration after this many non-finite losses in a row")
     p.add_argument("--max-chars", type=int, default=None, help="use only the first characters of --data")
-    p.add_argument("--out", default="results/gpt", help="output folder for gpt_results.json and gpt_loss_curves.png")
+    p.add_argument("--out", default="results/gpt", help="output folder for gpt_results.json and the loss curves (png)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--timing", type=int, default=0, metavar="ROUNDS",
                    help="only time the step: ROUNDS interleaved rounds of 5 steps per configuration (writes gpt_timing.json)")
     p.add_argument("--fast-compile", action="store_true", help="fewer XLA optimisations: quicker to start, slower steps (smoke tests)")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="instead of training: merge results files of runs with the same settings into --out")
     args = p.parse_args(argv)
+    if args.data is None and not args.merge:
+        p.error("--data is required (or --merge)")
     if args.warmup is None:
         args.warmup = max(1, args.steps // 20)
     if args.width % args.heads:
@@ -602,6 +623,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         "seed": args.seed,
         "eval_seed": eval_seed,
         "jax": jax.__version__,
+        "commit": _git_commit(),
         "backend": jax.default_backend(),
         "machine": f"{platform.processor() or platform.machine()}, {jax.local_device_count()} device(s)",
     }
@@ -622,6 +644,16 @@ def run(args: argparse.Namespace) -> list[dict]:
     return results
 
 
+def _git_commit() -> str | None:
+    """The commit of the checkout that runs this (None outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def _run_timing(runs, cfg, args, params32, batches, meta) -> list[dict]:
     timing = time_configs(runs, cfg, args, params32, batches, args.timing, steps=5)
     out = Path(args.out)
@@ -634,8 +666,36 @@ def _run_timing(runs, cfg, args, params32, batches, meta) -> list[dict]:
     return [{"name": n, **t} for n, t in timing.items()]
 
 
+SAME_SETTINGS = ("data", "model", "steps", "batch", "optimizer", "eval", "seed", "eval_seed")
+
+
+def merge_results(paths: list[str], out: Path) -> list[dict]:
+    """Merge the ``gpt_results.json`` of several runs of the same settings (configurations
+    run in separate processes) into ``out``, in order, a configuration kept once."""
+    saved = []
+    for path in paths:
+        with open(path) as f:
+            saved.append(json.load(f))
+    meta = saved[0]["meta"]
+    for other, path in zip(saved[1:], paths[1:]):
+        differ = [k for k in SAME_SETTINGS if other["meta"].get(k) != meta.get(k)]
+        if differ:
+            raise SystemExit(f"error: {path} was run with other settings ({', '.join(differ)}) than {paths[0]}.")
+    results = {}
+    for part in saved:
+        for r in part["results"]:
+            results.setdefault(r["name"], r)
+    commits = sorted({s["meta"].get("commit") or "unknown" for s in saved})
+    write_outputs(list(results.values()), {**meta, "commit": ", ".join(commits), "merged_from": list(map(str, paths))}, out)
+    return list(results.values())
+
+
 def main(argv=None) -> None:
-    run(parse_args(argv))
+    args = parse_args(argv)
+    if args.merge:
+        print(results_table(merge_results(args.merge, Path(args.out))))
+    else:
+        run(args)
 
 
 if __name__ == "__main__":
