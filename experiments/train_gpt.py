@@ -462,6 +462,12 @@ def plot_curves(results: list[dict], path: Path, title: str) -> None:
         line = {"color": palette[bases.index(r["name"].removesuffix("_manual")) % len(palette)], "linewidth": 1.2}
         style = (":" if r["name"].endswith("_manual") else "-") if r["scalify"] else "--"
         label = f"{r['paper_config']} {r['label']}".strip()
+        if r.get("diverged_at_step") is not None:
+            # Its moving average is not finite: the finite raw losses, and a legend entry.
+            label += f" (non-finite from step {r['diverged_at_step'] + 1})"
+            finite = [(i + 1, v) for i, v in enumerate(r["train_loss_curve"]) if v is not None]
+            ax_train.plot(*zip(*finite), "x", markersize=6, **line)
+            ax_val.plot([], [], style + "x", label=label, **line)
         x, y = _smooth(r["train_loss_curve"], 20)
         ax_train.plot(x, y, style, label=label, **line)
         vs = [(s, v) for s, v in r["val_loss_curve"] if v is not None]
@@ -555,6 +561,27 @@ def time_configs(runs: list[RunConfig], cfg: GPTConfig, args, params32, batches,
     }
 
 
+# --- scale analysis of one step ----------------------------------------------------------------
+def first_step_scales(run: RunConfig, cfg: GPTConfig, args, params32, batch) -> list[str]:
+    """Lines describing the data of the first training step of a scalified ``run``
+    (``jsa.analysis.record_scales``): the per-pass summary, then one line per FP8 cast
+    (pass, dtype, shape, log2 RMS of the data and of the value, fraction of zero and of
+    subnormal data entries)."""
+    if not run.scalify:
+        raise SystemExit(f"--record-scales: {run.name} is not a scalify configuration.")
+    opt = make_optimizer(args.steps, args.lr, args.warmup, run)
+    step = jsa.scalify(make_update(run, cfg, opt), policy=run.policy)
+    report = jsa.analysis.record_scales(step, init_state(run, params32, opt), jnp.asarray(batch))
+    lines = [f"== {run.name}: first step", report.summary()]
+    for r in report.records:
+        if "float8" in str(r.dtype):
+            lines.append(
+                f"{r.phase:<8} {str(r.dtype):<14} {str(r.shape):<16} data log2 RMS {r.log2_rms_data:7.2f}  "
+                f"value log2 RMS {r.log2_rms_value:7.2f}  zero {r.frac_zero:.2f}  subnormal {r.frac_underflow:.2f}"
+            )
+    return lines
+
+
 # --- CLI --------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -581,6 +608,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timing", type=int, default=0, metavar="ROUNDS",
                    help="only time the step: ROUNDS interleaved rounds of 5 steps per configuration (writes gpt_timing.json)")
     p.add_argument("--fast-compile", action="store_true", help="fewer XLA optimisations: quicker to start, slower steps (smoke tests)")
+    p.add_argument("--record-scales", action="store_true",
+                   help="instead of training: record the data of the first step of each (scalified) configuration "
+                        "with jsa.analysis.record_scales and print the FP8 casts")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="instead of training: merge results files of runs with the same settings into --out")
     args = p.parse_args(argv)
@@ -629,6 +659,10 @@ def run(args: argparse.Namespace) -> list[dict]:
     }
     if args.timing:
         return _run_timing(runs, cfg, args, params32, train_batches, meta)
+    if args.record_scales:
+        for r in runs:
+            print("\n".join(first_step_scales(r, cfg, args, params32, train_batches[0])), flush=True)
+        return []
     print(f"{cfg} ({cfg.num_params():,} params), {args.steps} steps of {args.batch}x{args.seq} tokens", flush=True)
     results = []
     for r in runs:

@@ -149,3 +149,16 @@ def test_merge_keeps_each_configuration_once_and_checks_the_settings(tmp_path):
     (tmp_path / "b" / "gpt_results.json").write_text(json.dumps({"meta": {**meta, "steps": 3}, "results": []}))
     with pytest.raises(SystemExit, match="other settings"):
         merge_results([str(tmp_path / p / "gpt_results.json") for p in "ab"], tmp_path / "out")
+
+
+def test_first_step_scales_lists_the_fp8_casts(setup):
+    from experiments.train_gpt import first_step_scales
+
+    cfg, params32, batch = setup
+    args = parse_args(["--data", "unused", "--steps", "2", "--width", "32", "--heads", "2"])
+    lines = first_step_scales(CONFIGS["scalify_fp8_manual"], cfg, args, params32, batch)
+    casts = [line for line in lines if "float8" in line]
+    # one layer: four E4M3 pairs (input, weight) forward, four E5M2 output gradients backward
+    assert sum("e4m3" in line for line in casts) == 8 and sum("e5m2" in line for line in casts) == 4, lines
+    with pytest.raises(SystemExit, match="not a scalify configuration"):
+        first_step_scales(CONFIGS["fp32"], cfg, args, params32, batch)
