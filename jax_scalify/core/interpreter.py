@@ -474,12 +474,19 @@ def concrete_scalar(value) -> np.ndarray | None:
 
 
 def _propagate_scalars(eqn: JaxprEqn, in_scalars: list) -> list:
-    """Outputs that broadcast a known scalar, for the primitives declared scalar-preserving."""
+    """Outputs that broadcast a known scalar, for the primitives declared scalar-preserving.
+
+    The primitive's scalar function gets the scalars of all operands (every one must be
+    known) and returns the output's scalar, or ``None`` if the output is not one.
+    """
     entry = registered_rule(eqn.primitive)
     fn = entry.scalar_fn if entry else None
-    if fn is None or eqn.primitive.multiple_results or len(in_scalars) != 1 or in_scalars[0] is None:
+    if fn is None or eqn.primitive.multiple_results or not in_scalars or any(s is None for s in in_scalars):
         return [None] * len(eqn.outvars)
-    out = np.asarray(fn(in_scalars[0], **eqn.params))
+    out = fn(*in_scalars, **eqn.params)
+    if out is None:
+        return [None]
+    out = np.asarray(out)
     return [out.reshape(()) if out.size == 1 else None]
 
 
