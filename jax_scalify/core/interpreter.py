@@ -443,7 +443,17 @@ def _bind(eqn: JaxprEqn, invals: list) -> list:
 def _promote_if_floating(x, scalar):
     if isinstance(x, ScaledArray) or not hasattr(x, "dtype") or not is_floating_dtype(x.dtype):
         return x
-    return promote(x, scalar)
+    promoted = promote(x, scalar)
+    if scalar is None and np.ndim(x) > 0 and _rescales_backward_entries():
+        # A plain array entering the scaled backward pass derives from the loss's cotangent
+        # (jax.grad's seed times the loss's constants and plain inputs such as one-hot
+        # labels): its data is not unit-sized, so its statistic goes into the scale.
+        return rescale_policy.rescale(promoted)
+    return promoted
+
+
+def _rescales_backward_entries() -> bool:
+    return rescale_policy.active_policy().gradients and rescale_policy.in_backward_pass()
 
 
 def eval_closed_jaxpr(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
