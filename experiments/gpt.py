@@ -53,7 +53,7 @@ class GPTConfig:
         """Number of parameters (the tied head counted once)."""
         w = self.width
         block = 2 * w + 3 * w * w + w * w + 2 * w + 8 * w * w
-        return self.vocab * w + self.seq * w + self.layers * block + w
+        return self.vocab * w + self.seq * w + self.layers * block + 2 * w  # + final LayerNorm gain and bias
 
 
 @dataclasses.dataclass(frozen=True)

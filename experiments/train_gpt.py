@@ -4,14 +4,24 @@ Reproduces the configurations of table 3 of "Scalify" (Balança et al., 2024) ne
 usual alternatives:
 
     python -m experiments.train_gpt --data ../shared/data/tinyshakespeare.txt \
-        --configs all --steps 500 --eval-every 50 --out docs/experiments
+        --configs main --steps 300 --eval-every 50 --out docs/experiments
 
-For each configuration (``--configs all`` or a comma-separated list of the names in
-``CONFIGS``) it trains from the same initial weights on the same batches, evaluates the
-validation loss on a fixed set of batches every ``--eval-every`` steps and at the end, and
-writes ``gpt_results.json`` (dtypes, losses, curves, time per step, divergence) and
-``gpt_loss_curves.png`` into ``--out``, then prints a table. Scalified configurations run
-``jax.jit(jsa.scalify(update))``, the others ``jax.jit(update)``.
+For each configuration (``--configs`` takes ``all``, a group of ``GROUPS`` or a
+comma-separated list of the names in ``CONFIGS``) it trains from the same initial weights
+on the same batches, evaluates the validation loss on a fixed set of batches every
+``--eval-every`` steps and at the end, and writes ``gpt_results.json`` (dtypes, losses,
+curves, time per step, divergence) and ``gpt_loss_curves.png`` into ``--out``, then prints
+a table. Scalified configurations run ``jax.jit(jsa.scalify(update, policy=...))``, the
+others ``jax.jit(update)``.
+
+Two recipes of scalify are compared:
+
+- ``scalify_*`` (the README recipe): the default rescale policy and no rescale call
+  anywhere in the model or the update; FP16 Adam moments are stored with
+  ``jsa.optim.scale_state``;
+- ``scalify_*_manual`` (the paper's placement): the static policy, a dynamic rescale of
+  every LayerNorm input gradient, and for FP16 moments a hand-written wrapper that rescales
+  the weight gradients and the moments (``stored_in``).
 """
 from __future__ import annotations
 
@@ -20,6 +30,7 @@ import dataclasses
 import json
 import math
 import platform
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -56,8 +67,23 @@ class RunConfig:
     master: Any = F32  # master weights
     opt_state: Any = F32  # Adam moments
     scalify: bool = False
-    grad_rescale: bool = False  # dynamic L2 rescale of the gradients before the optimizer
+    manual: bool = False  # scalify with the static policy and the paper's manual rescales
     loss_scale: bool = False  # dynamic loss scaling (unscaled configurations only)
+
+    @property
+    def policy(self) -> jsa.RescalePolicy | None:
+        """The rescale policy of a scalified configuration (None: scalify's default)."""
+        return jsa.RescalePolicy.static() if self.manual else None
+
+    @property
+    def uses_scale_state(self) -> bool:
+        """Narrow Adam moments stored by ``jsa.optim.scale_state`` (the README recipe)."""
+        return self.scalify and not self.manual and self.opt_state != F32
+
+    @property
+    def grad_rescale(self) -> bool:
+        """Dynamic L2 rescale of the weight gradients before FP16 Adam (manual placement only)."""
+        return self.manual and self.opt_state != F32
 
     def dtypes(self) -> dict[str, str]:
         """The formats of this configuration, for the results file."""
@@ -70,18 +96,20 @@ class RunConfig:
             "weight_grads": _name(self.master),
             "optimizer_state": _name(self.opt_state) + ("" if self.opt_state == F32 else " storage, float32 arithmetic"),
             "scales": "float32 power-of-two" if self.scalify else "none",
-            "dynamic_rescale": ", ".join(
-                s
-                for s, on in (
-                    ("LayerNorm input grads", p.ln_grad_rescale),
-                    ("weight grads", self.grad_rescale),
-                    ("Adam moments", self.scalify and self.opt_state != F32),
-                )
-                if on
-            )
-            or "none",
+            "rescale_policy": ("static" if self.manual else "default") if self.scalify else "n/a",
+            "dynamic_rescale": self._rescales(),
             "loss_scaling": "dynamic (2^15 start, x0.5 on overflow, x2 every 200 good steps)" if self.loss_scale else "none",
         }
+
+
+    def _rescales(self) -> str:
+        if not self.scalify:
+            return "none"
+        if not self.manual:
+            where = "default policy (gradients leaving the backward pass, loop carries, returned state)"
+            return where + ("; scale_state (Adam moments, gradients, updates)" if self.opt_state != F32 else "")
+        manual = ["LayerNorm input grads"] + (["weight grads", "Adam moments"] if self.grad_rescale else [])
+        return "manual: " + ", ".join(manual)
 
 
 def _name(dtype) -> str:
@@ -90,8 +118,9 @@ def _name(dtype) -> str:
 
 def _configs() -> dict[str, RunConfig]:
     fp16 = Precision(compute=F16)
-    scaled16 = Precision(compute=F16, ln_grad_rescale=True)
-    scaled8 = Precision(compute=F16, fp8=True, ln_grad_rescale=True)
+    fp8 = Precision(compute=F16, fp8=True)
+    manual16 = Precision(compute=F16, ln_grad_rescale=True)
+    manual8 = Precision(compute=F16, fp8=True, ln_grad_rescale=True)
     runs = [
         RunConfig("fp32", "FP32", "#0", Precision(compute=F32)),
         RunConfig("fp16", "FP16, no scaling", "", fp16),
@@ -99,38 +128,76 @@ def _configs() -> dict[str, RunConfig]:
         RunConfig("bf16", "BF16, no scaling", "", Precision(compute=BF16)),
         # Unscaled counterparts of #2 and #3: the same formats without scalify.
         RunConfig("fp16_master", "FP16 + FP16 master, no scaling", "", fp16, master=F16),
-        RunConfig("fp8", "FP8 matmuls + FP16 master, no scaling", "", Precision(compute=F16, fp8=True), master=F16),
-        RunConfig("scalify_fp16", "scalify FP16", "#1", scaled16, scalify=True),
-        RunConfig("scalify_fp16_master", "scalify FP16 + FP16 master", "#2", scaled16, master=F16, scalify=True),
-        RunConfig("scalify_fp8", "scalify FP8 matmuls", "#3", scaled8, master=F16, scalify=True),
+        RunConfig("fp8", "FP8 matmuls + FP16 master, no scaling", "", fp8, master=F16),
+        # The whole training state in 16 bits (weights and Adam moments), without scalify.
+        RunConfig("fp16_state", "FP16 weights + FP16 Adam, no scaling", "", fp16, master=F16, opt_state=F16),
         RunConfig(
-            "scalify_fp8_fp16_adam", "scalify FP8 + FP16 Adam", "#4", scaled8, master=F16, opt_state=F16,
-            scalify=True, grad_rescale=True,
+            "fp16_state_loss_scale", "FP16 weights + FP16 Adam, loss scaling", "", fp16, master=F16, opt_state=F16,
+            loss_scale=True,
+        ),
+        RunConfig("bf16_state", "BF16 weights + BF16 Adam, no scaling", "", Precision(compute=BF16), master=BF16, opt_state=BF16),
+        # Scalify, README recipe: default rescale policy, no rescale call in the model or update.
+        RunConfig("scalify_fp16", "scalify FP16", "#1", fp16, scalify=True),
+        RunConfig("scalify_fp16_master", "scalify FP16 + FP16 master", "#2", fp16, master=F16, scalify=True),
+        RunConfig("scalify_fp8", "scalify FP8 matmuls", "#3", fp8, master=F16, scalify=True),
+        RunConfig("scalify_fp8_fp16_adam", "scalify FP8 + FP16 Adam", "#4", fp8, master=F16, opt_state=F16, scalify=True),
+        RunConfig("scalify_fp16_fp16_adam", "scalify FP16 + FP16 Adam", "", fp16, master=F16, opt_state=F16, scalify=True),
+        # Scalify, the paper's placement: static policy and manual rescales.
+        RunConfig("scalify_fp16_manual", "scalify FP16, manual", "#1", manual16, scalify=True, manual=True),
+        RunConfig(
+            "scalify_fp16_master_manual", "scalify FP16 + FP16 master, manual", "#2", manual16, master=F16,
+            scalify=True, manual=True,
+        ),
+        RunConfig("scalify_fp8_manual", "scalify FP8 matmuls, manual", "#3", manual8, master=F16, scalify=True, manual=True),
+        RunConfig(
+            "scalify_fp8_fp16_adam_manual", "scalify FP8 + FP16 Adam, manual", "#4", manual8, master=F16, opt_state=F16,
+            scalify=True, manual=True,
         ),
     ]
     return {r.name: r for r in runs}
 
 
 CONFIGS = _configs()
+_PAPER = ("scalify_fp16", "scalify_fp16_master", "scalify_fp8", "scalify_fp8_fp16_adam")
+GROUPS = {
+    # The paper's table: the baselines, #1-#4 with the default policy and with manual placement.
+    "main": ("fp32", "fp16", "fp16_loss_scale", "bf16") + _PAPER + tuple(n + "_manual" for n in _PAPER),
+    # Weights and Adam moments in 16 bits too: where plain FP16 fails.
+    "state16": (
+        "fp32", "fp16_state", "fp16_state_loss_scale", "bf16_state", "scalify_fp16_fp16_adam", "scalify_fp8_fp16_adam",
+    ),
+    "unscaled_counterparts": ("fp32", "fp16_master", "fp8"),
+}
 
 
 def select_configs(spec: str) -> list[RunConfig]:
-    """``"all"`` or a comma-separated list of names of ``CONFIGS``."""
+    """``"all"``, a name of ``GROUPS``, or a comma-separated list of names of ``CONFIGS``."""
     if spec == "all":
         return list(CONFIGS.values())
+    if spec in GROUPS:
+        return [CONFIGS[n] for n in GROUPS[spec]]
     names = [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
-        raise SystemExit(f"Unknown configuration(s) {unknown}; choose from {list(CONFIGS)} or 'all'.")
+        raise SystemExit(
+            f"Unknown configuration(s) {unknown}; choose from {list(CONFIGS)}, a group {list(GROUPS)} or 'all'."
+        )
     return [CONFIGS[n] for n in names]
 
 
 # --- optimiser and update ---------------------------------------------------------------------
-def make_optimizer(steps: int, lr: float, warmup: int, state_dtype=F32) -> optax.GradientTransformation:
-    """Adam with linear warmup then cosine decay to ``lr / 10``, moments stored in ``state_dtype``."""
+def make_optimizer(steps: int, lr: float, warmup: int, run: RunConfig) -> optax.GradientTransformation:
+    """Adam with linear warmup then cosine decay to ``lr / 10``, moments stored as ``run`` says.
+
+    Narrow moments are stored with ``jsa.optim.scale_state`` under the default policy, with
+    the hand-written :func:`stored_in` under manual placement, and in the parameters' dtype
+    (plain ``optax.adam`` on narrow parameters) without scalify.
+    """
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr / 10)
     adam = optax.adam(schedule, b1=0.9, b2=0.99, eps=1e-8)
-    return adam if np.dtype(state_dtype) == np.float32 else stored_in(adam, state_dtype)
+    if np.dtype(run.opt_state) == np.float32 or not run.scalify:
+        return adam
+    return stored_in(adam, run.opt_state) if run.manual else jsa.optim.scale_state(adam, run.opt_state)
 
 
 def stored_in(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
@@ -171,7 +238,7 @@ def make_update(run: RunConfig, cfg: GPTConfig, opt: optax.GradientTransformatio
     def grads_to_optimizer(grads):
         if run.grad_rescale:
             grads = jsa.ops.dynamic_rescale_l2(grads)
-        return _astype(grads, run.opt_state)
+        return grads if run.uses_scale_state else _astype(grads, run.opt_state)
 
     def apply(params, opt_state, grads):
         updates, opt_state = opt.update(grads, opt_state, params)
@@ -207,20 +274,24 @@ def make_update(run: RunConfig, cfg: GPTConfig, opt: optax.GradientTransformatio
 def init_state(run: RunConfig, params32, opt: optax.GradientTransformation) -> dict:
     """The training state of ``run`` from float32 parameters (``ScaledArray`` leaves if scalified)."""
     params = _astype(params32, run.master)
-    state = {"params": params, "opt": opt.init(params32)}
+    state = {"params": params, "opt": opt.init(_astype(params32, run.opt_state))}
     if run.loss_scale:
         state["loss_scale"] = jnp.asarray(LOSS_SCALE_INIT, F32)
         state["good_steps"] = jnp.asarray(0, jnp.int32)
         state["skipped_steps"] = jnp.asarray(0, jnp.int32)
     if run.scalify:
-        state = _scaled_state(state, params32, run)
+        state = _scaled_state(state, params32, run, opt)
     return state
 
 
-def _scaled_state(state: dict, params32, run: RunConfig) -> dict:
-    """Scaled state: scales chosen on the float32 values, then the data cast to its format."""
+def _scaled_state(state: dict, params32, run: RunConfig, opt: optax.GradientTransformation) -> dict:
+    """Scaled state: scales chosen on the float32 values, then the data cast to its format.
+
+    With ``jsa.optim.scale_state`` the moments come scaled from its ``init`` on the scaled
+    parameters (the README recipe); otherwise Adam's state is made ``ScaledArray``s.
+    """
     params = _astype(jsa.as_scaled_array(params32), run.master)
-    opt_state = jsa.as_scaled_array(state["opt"])
+    opt_state = opt.init(params) if run.uses_scale_state else jsa.as_scaled_array(state["opt"])
     return {**state, "params": params, "opt": opt_state}
 
 
@@ -231,7 +302,7 @@ def compile_fns(run: RunConfig, cfg: GPTConfig, opt, compiler_options: dict | No
     update = make_update(run, cfg, opt)
     evaluate = lambda params, batch: loss_fn(params, batch, cfg, run.precision)
     if run.scalify:
-        update, evaluate = jsa.scalify(update), jsa.scalify(evaluate)
+        update, evaluate = jsa.scalify(update, policy=run.policy), jsa.scalify(evaluate, policy=run.policy)
     to_plain = lambda x: jnp.asarray(jsa.asarray(x), F32)
     jit = lambda f: jax.jit(f, compiler_options=compiler_options)
     jit_update = jit(lambda s, b: (lambda loss, st: (to_plain(loss), st))(*update(s, b)))
@@ -248,7 +319,7 @@ def mean_loss(evaluate: Callable, params, batches: list[np.ndarray]) -> float:
 def train_one(run: RunConfig, cfg: GPTConfig, args, params32, train_batches, eval_sets, progress: bool = True) -> dict:
     """Train ``run`` for ``len(train_batches)`` steps; returns its entry of the results file."""
     steps = len(train_batches)
-    opt = make_optimizer(steps, args.lr, args.warmup, run.opt_state)
+    opt = make_optimizer(steps, args.lr, args.warmup, run)
     update, evaluate = compile_fns(run, cfg, opt, FAST_COMPILE if args.fast_compile else None)
     state = init_state(run, params32, opt)
     losses, val_curve, step_times = [], [], []
@@ -352,7 +423,7 @@ def _fmt(x: float | None, width: int, spec: str) -> str:
 
 def results_table(results: list[dict]) -> str:
     """A plain-text table of the results."""
-    head = f"{'config':<23}{'paper':>6}{'s/step':>8}{'train':>8}{'val':>8}{'val vs fp32':>13}{'NaN steps':>10}  status"
+    head = f"{'config':<30}{'paper':>6}{'s/step':>8}{'train':>8}{'val':>8}{'val vs fp32':>13}{'NaN steps':>10}  status"
     lines = [head, "-" * len(head)]
     for r in results:
         delta = r.get("delta_vs_fp32_pct_val_loss")
@@ -360,7 +431,7 @@ def results_table(results: list[dict]) -> str:
         if r["diverged"]:
             status = f"diverged at step {r['diverged_at_step']}" if r["diverged_at_step"] else "diverged"
         lines.append(
-            f"{r['name']:<23}{r['paper_config']:>6}{r['time_per_step_s']:>8.3f}{_fmt(r['final_train_loss'], 8, '.4f')}"
+            f"{r['name']:<30}{r['paper_config']:>6}{r['time_per_step_s']:>8.3f}{_fmt(r['final_train_loss'], 8, '.4f')}"
             f"{_fmt(r['final_val_loss'], 8, '.4f')}{_fmt(delta, 12, '+.2f')}{'%' if delta is not None else ' '}{r['nan_steps']:>10}  {status}"
         )
     return "\n".join(lines)
@@ -384,17 +455,27 @@ def plot_curves(results: list[dict], path: Path, title: str) -> None:
 
     fig, (ax_train, ax_val, ax_rel) = plt.subplots(1, 3, figsize=(16, 4.5))
     ref = next((dict(r["val_loss_curve"]) for r in results if r["name"] == "fp32"), {})
+    bases = list(dict.fromkeys(r["name"].removesuffix("_manual") for r in results))
+    palette = ["k", *plt.get_cmap("tab10").colors, "darkgoldenrod", "navy", "lime"]
     for r in results:
-        style = "-" if r["scalify"] else "--"
+        # A default-policy configuration and its manual placement share a colour.
+        line = {"color": palette[bases.index(r["name"].removesuffix("_manual")) % len(palette)], "linewidth": 1.2}
+        style = (":" if r["name"].endswith("_manual") else "-") if r["scalify"] else "--"
         label = f"{r['paper_config']} {r['label']}".strip()
+        if r.get("diverged_at_step") is not None:
+            # Its moving average is not finite: the finite raw losses, and a legend entry.
+            label += f" (non-finite from step {r['diverged_at_step'] + 1})"
+            finite = [(i + 1, v) for i, v in enumerate(r["train_loss_curve"]) if v is not None]
+            ax_train.plot(*zip(*finite), "x", markersize=6, **line)
+            ax_val.plot([], [], style + "x", label=label, **line)
         x, y = _smooth(r["train_loss_curve"], 20)
-        ax_train.plot(x, y, style, label=label, linewidth=1.2)
+        ax_train.plot(x, y, style, label=label, **line)
         vs = [(s, v) for s, v in r["val_loss_curve"] if v is not None]
         if vs:
-            ax_val.plot(*zip(*vs), style + "o", label=label, markersize=3, linewidth=1.2)
+            ax_val.plot(*zip(*vs), style + "o", label=label, markersize=3, **line)
         rel = [(s, 100 * (v - ref[s]) / ref[s]) for s, v in vs if ref.get(s)]
         if rel:
-            ax_rel.plot(*zip(*rel), style + "o", label=label, markersize=3, linewidth=1.2)
+            ax_rel.plot(*zip(*rel), style + "o", label=label, markersize=3, **line)
     finals = [r["final_val_loss"] for r in results if r["final_val_loss"] is not None]
     for ax, name in ((ax_train, "training loss (20-step moving average)"), (ax_val, "validation loss")):
         ax.set_ylabel("cross-entropy (nats / char)")
@@ -409,34 +490,46 @@ def plot_curves(results: list[dict], path: Path, title: str) -> None:
     for ax in (ax_train, ax_val, ax_rel):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    ax_val.legend(fontsize=8)
+    ax_val.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
+def plot_all(results: list[dict], meta: dict, out: Path) -> None:
+    """``gpt_loss_curves.png`` (every configuration), and ``gpt_loss_curves_<group>.png`` for
+    each group of ``GROUPS`` whose configurations all ran."""
+    plot_curves(results, out / "gpt_loss_curves.png", _plot_title(meta))
+    ran = {r["name"] for r in results}
+    for group, names in GROUPS.items():
+        if set(names) <= ran and len(names) < len(ran):
+            subset = [r for r in results if r["name"] in names]
+            plot_curves(subset, out / f"gpt_loss_curves_{group}.png", f"{group}: {_plot_title(meta)}")
+
+
 def replot(out: Path) -> None:
-    """Redraw ``gpt_loss_curves.png`` from ``gpt_results.json`` in ``out``."""
+    """Redraw the loss curves from ``gpt_results.json`` in ``out``."""
     with open(out / "gpt_results.json") as f:
         saved = json.load(f)
-    plot_curves(saved["results"], out / "gpt_loss_curves.png", _plot_title(saved["meta"]))
+    plot_all(saved["results"], saved["meta"], out)
 
 
 def _plot_title(meta: dict) -> str:
     return (
         f"char GPT {meta['model']['layers']}x{meta['model']['width']} ({meta['num_params']:,} params), "
-        f"{meta['steps']} steps x {meta['batch']}x{meta['model']['seq']} tokens; solid: scalify, dashed: unscaled"
+        f"{meta['steps']} steps x {meta['batch']}x{meta['model']['seq']} tokens; "
+        "solid: scalify (default policy), dotted: scalify (manual placement), dashed: unscaled"
     )
 
 
 def write_outputs(results: list[dict], meta: dict, out: Path) -> None:
-    """``gpt_results.json`` and ``gpt_loss_curves.png`` in ``out``."""
+    """``gpt_results.json`` and the loss curves (:func:`plot_all`) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     add_comparisons(results)
     with open(out / "gpt_results.json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
-    plot_curves(results, out / "gpt_loss_curves.png", _plot_title(meta))
+    plot_all(results, meta, out)
 
 
 # --- interleaved timing -------------------------------------------------------------------------
@@ -449,7 +542,7 @@ def time_configs(runs: list[RunConfig], cfg: GPTConfig, args, params32, batches,
     """
     states, updates, compile_s, times = {}, {}, {}, {r.name: [] for r in runs}
     for r in runs:
-        opt = make_optimizer(args.steps, args.lr, args.warmup, r.opt_state)
+        opt = make_optimizer(args.steps, args.lr, args.warmup, r)
         updates[r.name], _ = compile_fns(r, cfg, opt)
         states[r.name] = init_state(r, params32, opt)
         t0 = time.perf_counter()
@@ -468,11 +561,34 @@ def time_configs(runs: list[RunConfig], cfg: GPTConfig, args, params32, batches,
     }
 
 
+# --- scale analysis of one step ----------------------------------------------------------------
+def first_step_scales(run: RunConfig, cfg: GPTConfig, args, params32, batch) -> list[str]:
+    """Lines describing the data of the first training step of a scalified ``run``
+    (``jsa.analysis.record_scales``): the per-pass summary, then one line per FP8 cast
+    (pass, dtype, shape, log2 RMS of the data and of the value, fraction of zero and of
+    subnormal data entries)."""
+    if not run.scalify:
+        raise SystemExit(f"--record-scales: {run.name} is not a scalify configuration.")
+    opt = make_optimizer(args.steps, args.lr, args.warmup, run)
+    step = jsa.scalify(make_update(run, cfg, opt), policy=run.policy)
+    report = jsa.analysis.record_scales(step, init_state(run, params32, opt), jnp.asarray(batch))
+    lines = [f"== {run.name}: first step", report.summary()]
+    for r in report.records:
+        if "float8" in str(r.dtype):
+            lines.append(
+                f"{r.phase:<8} {str(r.dtype):<14} {str(r.shape):<16} data log2 RMS {r.log2_rms_data:7.2f}  "
+                f"value log2 RMS {r.log2_rms_value:7.2f}  zero {r.frac_zero:.2f}  subnormal {r.frac_underflow:.2f}"
+            )
+    return lines
+
+
 # --- CLI --------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True, help="UTF-8 text file (e.g. ../shared/data/tinyshakespeare.txt)")
-    p.add_argument("--configs", default="all", help=f"'all' or comma-separated among {','.join(CONFIGS)}")
+    p.add_argument("--data", help="UTF-8 text file (e.g. ../shared/data/tinyshakespeare.txt)")
+    p.add_argument(
+        "--configs", default="main", help=f"'all', a group ({', '.join(GROUPS)}) or comma-separated among {','.join(CONFIGS)}"
+    )
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
@@ -487,12 +603,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-seed", type=int, default=None, help="seed of the fixed evaluation batches (default: --seed)")
     p.add_argument("--nan-patience", type=int, default=20, help="stop a configuration after this many non-finite losses in a row")
     p.add_argument("--max-chars", type=int, default=None, help="use only the first characters of --data")
-    p.add_argument("--out", default="results/gpt", help="output folder for gpt_results.json and gpt_loss_curves.png")
+    p.add_argument("--out", default="results/gpt", help="output folder for gpt_results.json and the loss curves (png)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--timing", type=int, default=0, metavar="ROUNDS",
                    help="only time the step: ROUNDS interleaved rounds of 5 steps per configuration (writes gpt_timing.json)")
     p.add_argument("--fast-compile", action="store_true", help="fewer XLA optimisations: quicker to start, slower steps (smoke tests)")
+    p.add_argument("--record-scales", action="store_true",
+                   help="instead of training: record the data of the first step of each (scalified) configuration "
+                        "with jsa.analysis.record_scales and print the FP8 casts")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="instead of training: merge results files of runs with the same settings into --out")
     args = p.parse_args(argv)
+    if args.data is None and not args.merge:
+        p.error("--data is required (or --merge)")
     if args.warmup is None:
         args.warmup = max(1, args.steps // 20)
     if args.width % args.heads:
@@ -530,11 +653,16 @@ def run(args: argparse.Namespace) -> list[dict]:
         "seed": args.seed,
         "eval_seed": eval_seed,
         "jax": jax.__version__,
+        "commit": _git_commit(),
         "backend": jax.default_backend(),
         "machine": f"{platform.processor() or platform.machine()}, {jax.local_device_count()} device(s)",
     }
     if args.timing:
         return _run_timing(runs, cfg, args, params32, train_batches, meta)
+    if args.record_scales:
+        for r in runs:
+            print("\n".join(first_step_scales(r, cfg, args, params32, train_batches[0])), flush=True)
+        return []
     print(f"{cfg} ({cfg.num_params():,} params), {args.steps} steps of {args.batch}x{args.seq} tokens", flush=True)
     results = []
     for r in runs:
@@ -550,6 +678,16 @@ def run(args: argparse.Namespace) -> list[dict]:
     return results
 
 
+def _git_commit() -> str | None:
+    """The commit of the checkout that runs this (None outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def _run_timing(runs, cfg, args, params32, batches, meta) -> list[dict]:
     timing = time_configs(runs, cfg, args, params32, batches, args.timing, steps=5)
     out = Path(args.out)
@@ -562,8 +700,36 @@ def _run_timing(runs, cfg, args, params32, batches, meta) -> list[dict]:
     return [{"name": n, **t} for n, t in timing.items()]
 
 
+SAME_SETTINGS = ("data", "model", "steps", "batch", "optimizer", "eval", "seed", "eval_seed")
+
+
+def merge_results(paths: list[str], out: Path) -> list[dict]:
+    """Merge the ``gpt_results.json`` of several runs of the same settings (configurations
+    run in separate processes) into ``out``, in order, a configuration kept once."""
+    saved = []
+    for path in paths:
+        with open(path) as f:
+            saved.append(json.load(f))
+    meta = saved[0]["meta"]
+    for other, path in zip(saved[1:], paths[1:]):
+        differ = [k for k in SAME_SETTINGS if other["meta"].get(k) != meta.get(k)]
+        if differ:
+            raise SystemExit(f"error: {path} was run with other settings ({', '.join(differ)}) than {paths[0]}.")
+    results = {}
+    for part in saved:
+        for r in part["results"]:
+            results.setdefault(r["name"], r)
+    commits = sorted({s["meta"].get("commit") or "unknown" for s in saved})
+    write_outputs(list(results.values()), {**meta, "commit": ", ".join(commits), "merged_from": list(map(str, paths))}, out)
+    return list(results.values())
+
+
 def main(argv=None) -> None:
-    run(parse_args(argv))
+    args = parse_args(argv)
+    if args.merge:
+        print(results_table(merge_results(args.merge, Path(args.out))))
+    else:
+        run(args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ all and checks that together they exercise every registered rule.
 """
 from __future__ import annotations
 
+import os
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -174,12 +175,25 @@ def _collect(jaxpr, names: set[str]) -> None:
             _collect(getattr(sub, "jaxpr", sub), names)
 
 
+def examples(max_examples: int) -> int:
+    """Hypothesis examples per case: half of ``max_examples`` (at least 2) in the default run.
+
+    ``JSA_THOROUGH=1`` in the environment runs all of them (the project's own full checks).
+    """
+    if os.environ.get("JSA_THOROUGH") == "1":
+        return max_examples
+    return max(2, max_examples // 2)
+
+
 def invariance_test(cases: Sequence[Case], max_examples: int = 8):
-    """A pytest test running :func:`check_case` on every case (assign it to ``test_invariance``)."""
+    """A pytest test running :func:`check_case` on every case (assign it to ``test_invariance``).
+
+    Each case draws :func:`examples` ``(max_examples)`` random inputs and power-of-two scales.
+    """
 
     @pytest.mark.parametrize("case", cases, ids=lambda c: c.name)
     @given(data=st.data())
-    @settings(max_examples=max_examples, deadline=None)
+    @settings(max_examples=examples(max_examples), deadline=None)
     def test_invariance(case, data):
         check_case(case, data)
 

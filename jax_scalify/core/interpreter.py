@@ -437,7 +437,17 @@ def _bind(eqn: JaxprEqn, invals: list) -> list:
 def _promote_if_floating(x, scalar):
     if isinstance(x, ScaledArray) or not hasattr(x, "dtype") or not is_floating_dtype(x.dtype):
         return x
-    return promote(x, scalar)
+    promoted = promote(x, scalar)
+    if scalar is None and np.ndim(x) > 0 and _rescales_backward_entries():
+        # A plain array entering the scaled backward pass derives from the loss's cotangent
+        # (jax.grad's seed times the loss's constants and plain inputs such as one-hot
+        # labels): its data is not unit-sized, so its statistic goes into the scale.
+        return rescale_policy.rescale(promoted)
+    return promoted
+
+
+def _rescales_backward_entries() -> bool:
+    return rescale_policy.active_policy().gradients and rescale_policy.in_backward_pass()
 
 
 def eval_closed_jaxpr(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
@@ -468,12 +478,19 @@ def concrete_scalar(value) -> np.ndarray | None:
 
 
 def _propagate_scalars(eqn: JaxprEqn, in_scalars: list) -> list:
-    """Outputs that broadcast a known scalar, for the primitives declared scalar-preserving."""
+    """Outputs that broadcast a known scalar, for the primitives declared scalar-preserving.
+
+    The primitive's scalar function gets the scalars of all operands (every one must be
+    known) and returns the output's scalar, or ``None`` if the output is not one.
+    """
     entry = registered_rule(eqn.primitive)
     fn = entry.scalar_fn if entry else None
-    if fn is None or eqn.primitive.multiple_results or len(in_scalars) != 1 or in_scalars[0] is None:
+    if fn is None or eqn.primitive.multiple_results or not in_scalars or any(s is None for s in in_scalars):
         return [None] * len(eqn.outvars)
-    out = np.asarray(fn(in_scalars[0], **eqn.params))
+    out = fn(*in_scalars, **eqn.params)
+    if out is None:
+        return [None]
+    out = np.asarray(out)
     return [out.reshape(()) if out.size == 1 else None]
 
 

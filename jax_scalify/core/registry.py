@@ -51,9 +51,9 @@ class RegisteredRule:
         unpromoted_inputs: the rule receives unscaled inputs as they are instead of promoted to
             ``ScaledArray`` (rules of primitives holding sub-jaxprs: only values that meet a
             scaled one inside get a scale).
-        scalar_fn: for scalar-preserving primitives, ``scalar_fn(scalar, **params)`` maps the
-            scalar of a broadcast constant input to the scalar of the output (NumPy); None
-            otherwise.
+        scalar_fn: for scalar-preserving primitives, ``scalar_fn(*scalars, **params)`` maps
+            the scalars of operands that are all broadcast constants to the scalar of the
+            output (NumPy), or to ``None`` where the output is not one; None otherwise.
     """
 
     primitive: Primitive
@@ -72,8 +72,8 @@ def _summary_of(rule: ScaledRule) -> str:
     return doc.splitlines()[0].strip() if doc else ""
 
 
-def _identity_scalar(scalar: Any, **params: Any) -> Any:
-    return scalar
+def _identity_scalar(scalar: Any, *others: Any, **params: Any) -> Any:
+    return None if others else scalar
 
 
 def _scalar_fn(primitive: Primitive, scalar_preserving: bool | Callable[..., Any]) -> Callable[..., Any] | None:
@@ -84,7 +84,7 @@ def _scalar_fn(primitive: Primitive, scalar_preserving: bool | Callable[..., Any
     if not callable(scalar_preserving):
         raise TypeError(
             f"scalar_preserving for '{primitive.name}' must be a bool or a function "
-            f"fn(scalar, **params), got {scalar_preserving!r}."
+            f"fn(*scalars, **params), got {scalar_preserving!r}."
         )
     return scalar_preserving
 
@@ -110,11 +110,13 @@ def register_scaled_op(
         scaled_type: when the rule is called (see :class:`ScaledPrimitiveType`).
         unpromoted_inputs: pass unscaled inputs to the rule as they are (plain arrays) instead
             of promoting floating ones to ``ScaledArray``; for primitives holding sub-jaxprs.
-        scalar_preserving: the primitive maps a broadcast scalar constant to a broadcast scalar
-            (``True``: the same scalar, as layout ops do; or ``fn(scalar, **params)`` computing
-            the output scalar with NumPy). The interpreter then keeps recognising constants
-            such as ``jnp.full(shape, 2.0)`` and splits them exactly into mantissa and
-            power-of-two scale.
+        scalar_preserving: the primitive maps broadcast scalar constants to a broadcast scalar
+            (``True``: one operand, the same scalar, as layout ops do; or
+            ``fn(*scalars, **params)`` computing the output scalar from those of all operands
+            with NumPy, ``None`` where the output is not a scalar). The interpreter then keeps
+            recognising constants such as ``jnp.full(shape, 2.0)``, or the ``1 / N`` of a mean's
+            gradient, and splits them exactly into mantissa and power-of-two scale where they
+            meet scaled data.
 
     Returns:
         The rule (so the decorator leaves the function usable by name).

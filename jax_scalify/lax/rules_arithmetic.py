@@ -127,13 +127,31 @@ def _scaled_aligned(prim: Primitive, operands: Sequence[Any], params: dict) -> S
 
 
 # --- sums ------------------------------------------------------------------------------------
-@register_scaled_lax_op
+def _exact_scalar(op):
+    """A scalar function computing ``op`` of two floating constants in float64.
+
+    The result keeps at least float32's range: a constant such as the ``1 / N`` of a mean's
+    gradient times a loss weight stays known exactly even where the data dtype could not
+    hold it, and is split into a power-of-two scale where it meets scaled data.
+    """
+
+    def scalar_fn(a, b, **params):
+        a, b = np.asarray(a), np.asarray(b)
+        if not (is_floating_dtype(a.dtype) and is_floating_dtype(b.dtype)):
+            return None
+        with np.errstate(all="ignore"):
+            return op(a.astype(np.float64), b.astype(np.float64)).astype(np.result_type(a.dtype, b.dtype, np.float32))
+
+    return scalar_fn
+
+
+@register_scaled_lax_op(scalar_preserving=_exact_scalar(np.add))
 def scaled_add(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Scale pow2(sqrt(sa^2 + sb^2)), both data rebalanced to it; an any-scale operand takes the other's scale."""
     return _scaled_sum(P.add_p, a, b, params)
 
 
-@register_scaled_lax_op
+@register_scaled_lax_op(scalar_preserving=_exact_scalar(np.subtract))
 def scaled_sub(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Scale pow2(sqrt(sa^2 + sb^2)), both data rebalanced to it; an any-scale operand takes the other's scale."""
     return _scaled_sum(P.sub_p, a, b, params)
@@ -149,7 +167,7 @@ def scaled_add_any(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
 
 
 # --- products --------------------------------------------------------------------------------
-@register_scaled_lax_op
+@register_scaled_lax_op(scalar_preserving=_exact_scalar(np.multiply))
 def scaled_mul(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Scale sa * sb, data da * db (a scale past the float32 range moves its excess into the data).
 
@@ -159,7 +177,7 @@ def scaled_mul(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     return scaled_product(_bind(P.mul_p, a, b, **params), a.scale, b.scale)
 
 
-@register_scaled_lax_op
+@register_scaled_lax_op(scalar_preserving=_exact_scalar(np.divide))
 def scaled_div(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Scale sa / sb, data da / db (a scale past the float32 range moves its excess into the data)."""
     return scaled_product(_bind(P.div_p, a, b, **params), a.scale, b.scale, divide=True)
@@ -207,13 +225,13 @@ def scaled_nextafter(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
 
 
 # --- selections and comparisons --------------------------------------------------------------
-@register_scaled_lax_op
+@register_scaled_lax_op(scalar_preserving=_exact_scalar(np.maximum))
 def scaled_max(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Operands aligned to the largest scale (any-scale operands adopt it); max of the data."""
     return _scaled_aligned(P.max_p, [a, b], params)
 
 
-@register_scaled_lax_op
+@register_scaled_lax_op(scalar_preserving=_exact_scalar(np.minimum))
 def scaled_min(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Operands aligned to the largest scale (any-scale operands adopt it); min of the data."""
     return _scaled_aligned(P.min_p, [a, b], params)

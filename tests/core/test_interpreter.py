@@ -194,3 +194,26 @@ def test_missing_rule_in_a_jitted_library_function_names_the_call_site():
     (line,) = [ln for ln in str(info.value).splitlines() if ln.strip().startswith("from:")]
     assert "test_interpreter.py" in line and "test_missing_rule_in_a_jitted_library_function" in line
     assert "jax_scalify" not in line.replace("test_interpreter", "")
+
+
+def test_a_loss_gradient_seed_keeps_its_constant_factors_in_the_scale():
+    """``jax.grad``'s seed times the mean's ``1/N`` and a loss weight is a known constant.
+
+    It is computed from literals (plain values), and reaches the scaled backward pass where
+    it meets the first scaled residual: known exactly, it is split into a power-of-two scale
+    there, instead of entering float16 data as ``7e-9`` (zero in float16).
+    """
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(16, 16)) / 4, jnp.float16)
+    h = jnp.asarray(rng.normal(size=(8, 16)), jnp.float16)
+
+    def loss(w, h):
+        h = h + jnp.tanh(h @ w)
+        return jnp.mean(jnp.square(h.astype(jnp.float32))) * 1e-6
+
+    expected = jax.grad(loss)(w.astype(jnp.float32), h.astype(jnp.float32))
+    plain = np.asarray(jax.grad(loss)(w, h), np.float32)
+    assert np.mean(plain == 0) > 0.8  # plain float16: most entries flushed to zero
+    got = jax.jit(jsa.scalify(jax.grad(loss)))(jsa.as_scaled_array(w), jsa.as_scaled_array(h))
+    assert got.dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(got.to_array(jnp.float32)), np.asarray(expected), rtol=0.05, atol=1e-3 * float(jnp.max(jnp.abs(expected))))

@@ -244,6 +244,7 @@ def test_linen_dense_and_dense_general_train_in_fp8():
     check_fp8_training(make_loss, params)
 
 
+@pytest.mark.slow  # training run; FP8 training stays in the default run through tests/nn/test_linear.py
 def test_nnx_linear_einsum_and_linear_general_train_in_fp8():
     graphdef, params = nnx.split(NNXModel(lax.dot_general, nnx.Rngs(0)))
 

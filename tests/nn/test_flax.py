@@ -97,6 +97,7 @@ def test_nnx_float32_matches_plain(nnx_setup):
     check_float32_invariance(*nnx_setup)
 
 
+@pytest.mark.slow  # training run; tests/programs trains these libraries' idiomatic programs by default
 def test_nnx_float16_trains(nnx_setup):
     check_float16_training(*nnx_setup)
 
@@ -123,11 +124,13 @@ def test_linen_float32_matches_plain(linen_setup):
     check_float32_invariance(*linen_setup)
 
 
+@pytest.mark.slow  # training run; tests/programs trains these libraries' idiomatic programs by default
 def test_linen_float16_trains(linen_setup):
     check_float16_training(*linen_setup)
 
 
 # --- Equinox ---------------------------------------------------------------------------------
+@pytest.mark.slow  # training run; tests/programs trains these libraries' idiomatic programs by default
 def test_equinox_float16_trains_and_starts_at_the_plain_loss():
     eqx = pytest.importorskip("equinox")
     model = eqx.nn.MLP(8, 2, 16, depth=2, activation=jsa.nn.gelu, key=jax.random.PRNGKey(0))

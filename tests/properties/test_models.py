@@ -30,7 +30,7 @@ from hypothesis import given, settings
 from jax import lax
 
 import jax_scalify as jsa
-from tests.invariance import assert_close_values, assert_pow2_scales
+from tests.invariance import assert_close_values, assert_pow2_scales, examples
 from tests.invariance import primitive_names as _primitive_names
 from tests.models import (
     cnn_batch,
@@ -82,7 +82,7 @@ def _jit_pair(fn):
 cnn_step = _jit_pair(sgd_step(cnn_loss, lr=0.1))
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(data=st.data())
 def test_cnn_sgd_step_invariance(data):
     """conv_general_dilated, reduce_window max (select_and_scatter_add in the gradient) and sum."""
@@ -102,7 +102,7 @@ def test_cnn_step_primitives():
 rnn_grad = _jit_pair(jax.value_and_grad(rnn_loss))
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(data=st.data())
 def test_scanned_rnn_gradient_invariance(data):
     rng = _seed_rng(data)
@@ -164,7 +164,7 @@ def test_dynamic_rescale_in_a_scanned_body_under_grad_and_jit():
 dropout_step = _jit_pair(sgd_step(dropout_remat_loss))
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(data=st.data(), typed_key=st.booleans())
 def test_dropout_and_checkpoint_step_invariance(data, typed_key):
     """``jax.random`` on a plain key (the same for both runs), dropout masks, ``jax.checkpoint``."""
@@ -185,7 +185,7 @@ def test_dropout_step_primitives():
 control_flow_step = _jit_pair(sgd_step(control_flow_loss))
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(data=st.data())
 def test_control_flow_in_a_differentiated_function_invariance(data):
     rng = _seed_rng(data)
@@ -231,7 +231,7 @@ optimizer_steps = {name: _jit_pair(make_adam_step(mlp_loss, opt)) for name, (opt
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=examples(3), deadline=None)
 @given(data=st.data())
 def test_optax_mlp_step_invariance(name, data):
     """value_and_grad of an MLP, then the optax update; state warmed up (non-zero moments, count 2)."""

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 
 import jax_scalify as jsa
-from tests.invariance import assert_close_values, assert_pow2_scales
+from tests.invariance import assert_close_values, assert_pow2_scales, examples
 
 SIZES = (12, 16, 16, 5)
 
@@ -58,7 +58,7 @@ plain_sgd_step = jax.jit(sgd_step)
 scalified_sgd_step = jax.jit(jsa.scalify(sgd_step))
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(data=st.data())
 def test_mlp_sgd_step_invariance(data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))

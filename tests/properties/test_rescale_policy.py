@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -53,6 +54,7 @@ def sgd(loss_fn):
 
 
 # --- FP16 CNN + BatchNorm + SGD momentum ---------------------------------------------------------
+@pytest.mark.slow  # training run; tests/programs' cnn_nnx FP16 run covers it by default
 def test_fp16_cnn_with_sgd_momentum_trains_like_plain_fp16():
     steps = 5
     plain, _, _ = cnn.train("plain", steps)

@@ -39,7 +39,7 @@ import optax
 from hypothesis import given, settings
 
 import jax_scalify as jsa
-from tests.invariance import assert_close_values, assert_pow2_scales
+from tests.invariance import assert_close_values, assert_pow2_scales, examples
 from tests.models import (
     GPTConfig,
     gpt_batch,
@@ -111,7 +111,7 @@ def _check_invariance(data, cfg, plain, scalified, max_exponent):
     assert_close_values(got, expected, rtol=RTOL, atol=ATOL)
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=examples(5), deadline=None)
 @given(data=st.data())
 def test_gpt_adam_step_invariance(data):
     """Loss, new params and new Adam state equal the plain step's, for input scales 2**k * unit, |k| <= 10.
@@ -121,7 +121,7 @@ def test_gpt_adam_step_invariance(data):
     _check_invariance(data, CFG, plain_step, scalified_step, max_exponent=10)
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=examples(3), deadline=None)
 @given(data=st.data())
 def test_gpt_bare_adam_step_untied_head_finite_mask_invariance(data):
     """No rescaling at all (|k| <= 2, see the module docstring); untied head; a -1e9 mask; debug prints.
