@@ -64,11 +64,22 @@ def _is_concrete(x: Any) -> bool:
 
 
 def _as_carried(x: Any) -> ScaledArray:
-    """``x`` as a ``ScaledArray`` with a scalar scale array of the configured dtype (plain: scale 1)."""
+    """``x`` as a ``ScaledArray`` with a scalar scale array of the configured dtype.
+
+    A plain carry takes scale 1, and an any-scale one (a constant 0 or inf) keeps its scale,
+    except where the value is all zero: then the scale is 0, an asserted zero, so that the
+    first sum in the loop takes the other operand's scale (an accumulator started at
+    ``jnp.zeros`` must not hold its scale at 1, where small terms flush to zero).
+    """
     if not _is_scaled(x):
-        return ScaledArray(x, jnp.ones((), scale_dtype()))
+        return ScaledArray(x, _zero_if_all_zero(x, jnp.ones((), scale_dtype())))
     x = with_scalar_scale(x)
-    return ScaledArray(x.data, jnp.asarray(as_scale(x.scale)))
+    scale = jnp.asarray(as_scale(x.scale))
+    return ScaledArray(x.data, _zero_if_all_zero(x.data, scale) if x.any_scale else scale)
+
+
+def _zero_if_all_zero(data: Any, scale: Any) -> Any:
+    return jnp.where(jnp.any(data != 0), scale, jnp.zeros_like(scale))
 
 
 def _flatten(values: Sequence[Any], scaled: Sequence[bool]) -> list:

@@ -378,3 +378,18 @@ def test_static_policy_keeps_the_static_loop_carry_scale():
     np.testing.assert_array_equal(static.to_array(), rescaled.to_array())
     assert float(rescaled.scale) == 8.0 and np.all(np.asarray(rescaled.data) == 1.0)  # value 2**3, data 1
     assert float(static.scale) != float(rescaled.scale)
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori_loop"])
+def test_an_accumulator_started_at_zeros_takes_the_scale_of_what_it_adds(loop):
+    """``jnp.zeros`` as a float16 carry enters the loop at scale 0, not 1 (where 2**-27 flushes)."""
+    xs = jsa.ScaledArray(jnp.ones((3, 4), jnp.float16), jnp.float32(2.0**-27))
+
+    def total(xs):
+        if loop == "scan":
+            return jax.lax.scan(lambda acc, x: (acc + x, None), jnp.zeros(4, jnp.float16), xs)[0]
+        return jax.lax.fori_loop(0, 3, lambda i, acc: acc + xs[i], jnp.zeros(4, jnp.float16))
+
+    for policy in (jsa.RescalePolicy(), jsa.RescalePolicy.static()):
+        out = jax.jit(jsa.scalify(total, policy=policy))(xs)
+        np.testing.assert_array_equal(np.asarray(out.to_array(jnp.float32)), np.full(4, 3 * 2.0**-27, np.float32))
