@@ -1,9 +1,11 @@
 """Timing helpers for the benchmarks: interleaved A/B runs, medians, compile times."""
+
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 

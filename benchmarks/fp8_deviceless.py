@@ -20,8 +20,10 @@ and of the whole module (loop bodies included), and the trace+lower+compile CPU 
 (interleaved, median; cold caches). A deviceless compile skips autotuning, which a real
 device adds to both sides.
 """
+
 from __future__ import annotations
 
+import functools
 import os
 
 # Before JAX is imported: no device is needed, and none should be initialised.
@@ -66,7 +68,7 @@ def programs(sharding, size: int) -> dict:
     }
     for name, use_fp8 in (("GPT step, bf16 matmuls, scalify", False), ("GPT step, fp8 matmuls, scalify", True)):
         step, opt = make_gpt_step(use_fp8)
-        out[name] = (jsa.scalify(step), abstract(jax.eval_shape(lambda: gpt_inputs(GPT, opt)), sharding))
+        out[name] = (jsa.scalify(step), abstract(jax.eval_shape(functools.partial(gpt_inputs, GPT, opt)), sharding))
     return out
 
 
@@ -123,9 +125,14 @@ def main(argv=None):
     try:
         sharding = h100_sharding()
     except (NotImplementedError, RuntimeError) as error:
-        raise SystemExit(f"deviceless CUDA compilation is not available ({error}); install it with: pip install 'jax[cuda12]'")
+        raise SystemExit(
+            f"deviceless CUDA compilation is not available ({error}); install it with: pip install 'jax[cuda12]'"
+        ) from error
     print(f"jax {jax.__version__}, compiled for {H100_TARGET.split('device_description_str: ')[1].strip()} (no device)")
-    for title, options in (("XLA defaults (no autotuning)", {}), ("Triton GEMMs disabled", {"xla_gpu_enable_triton_gemm": False})):
+    for title, options in (
+        ("XLA defaults (no autotuning)", {}),
+        ("Triton GEMMs disabled", {"xla_gpu_enable_triton_gemm": False}),
+    ):
         print(f"{title}:")
         print(f"  {'program':<34}{'GEMMs':>6}{'FP8':>6}{'upcasts':>9}{'kernels':>9}  GEMM backends: operand types")
         for name, (fn, fn_args) in programs(sharding, args.size).items():

@@ -17,6 +17,7 @@ On a GPU (FP8 GEMMs need compute capability >= 8.9, e.g. H100):
 Without a GPU it prints ``no GPU: timings skipped`` and runs tiny versions of both for
 correctness only (the FP8 results against float32 references, within FP8 round-off).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,7 +81,9 @@ def matmul_benchmark(size: int, rounds: int) -> None:
     for name, (fn, args) in fns.items():
         gemm, upcast = fp8_gemm_in_hlo(fn.lower(*args).compile().as_text())
         ms = 1e3 * times[name]
-        print(f"{name:<20}{ms:>10.3f}{flops / times[name] / 1e12:>10.1f}{times['bf16 plain'] / times[name]:>9.2f}  {gemm} / {upcast}")
+        print(
+            f"{name:<20}{ms:>10.3f}{flops / times[name] / 1e12:>10.1f}{times['bf16 plain'] / times[name]:>9.2f}  {gemm} / {upcast}"
+        )
 
 
 # --- GPT step with FP8 matmuls --------------------------------------------------------------------

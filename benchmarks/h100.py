@@ -5,6 +5,7 @@ machine without one, set ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` before JAX is imp
 plugin otherwise fails its CUDA checks and does not register). Used by
 ``benchmarks/fp8_deviceless.py`` and ``tests/lax/test_fp8_gpu.py``.
 """
+
 from __future__ import annotations
 
 import jax

@@ -8,6 +8,7 @@ compile CPU-time ratio of the scalified step with its input scales fixed at trac
 :func:`with_constant_scales`): what remains when the scale arithmetic that depends only on
 input scales folds away.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -129,7 +130,9 @@ def with_constant_scales(step, policy=None):
     """
 
     def constant_scaled_step(*args):
-        fixed = jax.tree.map(lambda x: jsa.ScaledArray(x, np.float32(1)) if jnp.issubdtype(x.dtype, jnp.floating) else x, args)
+        fixed = jax.tree.map(
+            lambda x: jsa.ScaledArray(x, np.float32(1)) if jnp.issubdtype(x.dtype, jnp.floating) else x, args
+        )
         return jsa.scalify(step, policy=policy)(*fixed)
 
     return constant_scaled_step
@@ -141,7 +144,9 @@ def compare(name, step, inputs, rounds, compile_rounds, policy=None):
     plain = jax.jit(step)
     scaled_step = jax.jit(jsa.scalify(step, policy=policy))
     scaled_inputs = jsa.as_scaled_array(inputs)
-    times = interleaved_medians({"plain": lambda: plain(*inputs), "scalify": lambda: scaled_step(*scaled_inputs)}, rounds)
+    times = interleaved_medians(
+        {"plain": lambda: plain(*inputs), "scalify": lambda: scaled_step(*scaled_inputs)}, rounds
+    )
     compiles = interleaved_compile_medians(
         {
             "plain": lambda: compile_times(step, *inputs),
@@ -180,7 +185,9 @@ def main(argv=None):
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--only", help="comma-separated subset of benchmark names")
     parser.add_argument(
-        "--policy", choices=("default", "static"), default="default",
+        "--policy",
+        choices=("default", "static"),
+        default="default",
         help="rescale policy of the scalified step (jsa.RescalePolicy() or RescalePolicy.static())",
     )
     args = parser.parse_args(argv)

@@ -16,9 +16,11 @@ subnormals, 0, inf and nan, at a few more equations), so that they do the same w
 Printed, for each representation: the number of equations, the trace time (``make_jaxpr``),
 the compile CPU time (trace + lower + compile, cold caches) and the run time, medians.
 """
+
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -105,7 +107,7 @@ def scaled_mlp(algebra, h, s, weights, weight_scales):
         y = y.astype(h.dtype)
         sy = algebra.mul(algebra.mul(s, sw), algebra.from_pow2(log_r))
         common = lax.max(sy, s)
-        summed = (_times(y, algebra.factor(sy, common)).astype(jnp.float32) + _times(h, algebra.factor(s, common)))
+        summed = _times(y, algebra.factor(sy, common)).astype(jnp.float32) + _times(h, algebra.factor(s, common))
         rms = jnp.sqrt(jnp.mean(summed * summed))
         e = algebra.below(jnp.where(rms > 0, rms, np.float32(1)))
         unit = algebra.from_pow2(0)
@@ -128,7 +130,7 @@ def _count(jaxpr) -> int:
 
 def measure(layers: int, width: int, batch: int, rounds: int, compile_rounds: int) -> list[dict]:
     algebras = [Float32Scales, Int32Exponents]
-    fns = {a.name: (lambda a: lambda *args: scaled_mlp(a, *args))(a) for a in algebras}
+    fns = {a.name: functools.partial(scaled_mlp, a) for a in algebras}
     inputs = {a.name: make_inputs(a, layers, width, batch) for a in algebras}
     reference = np.asarray(jax.jit(fns[Float32Scales.name])(*inputs[Float32Scales.name]))
     other = np.asarray(jax.jit(fns[Int32Exponents.name])(*inputs[Int32Exponents.name]))
@@ -141,9 +143,11 @@ def measure(layers: int, width: int, batch: int, rounds: int, compile_rounds: in
         return time.perf_counter() - start
 
     traces = {n: statistics.median(trace_seconds(n) for _ in range(7)) for n in fns}
-    compiles = interleaved_compile_medians({n: (lambda n: lambda: compile_times(fns[n], *inputs[n]))(n) for n in fns}, compile_rounds)
+    compiles = interleaved_compile_medians(
+        {n: functools.partial(compile_times, fns[n], *inputs[n]) for n in fns}, compile_rounds
+    )
     jitted = {n: jax.jit(fns[n]) for n in fns}
-    runs = interleaved_medians({n: (lambda n: lambda: jitted[n](*inputs[n]))(n) for n in fns}, rounds)
+    runs = interleaved_medians({n: functools.partial(jitted[n], *inputs[n]) for n in fns}, rounds)
     return [
         {
             "scales": n,
@@ -165,10 +169,14 @@ def main() -> None:
     parser.add_argument("--compile-rounds", type=int, default=3)
     args = parser.parse_args()
     rows = measure(args.layers, args.width, args.batch, args.rounds, args.compile_rounds)
-    print(f"jax {jax.__version__}, {jax.default_backend()}; {args.layers} layers, width {args.width}, batch {args.batch}")
+    print(
+        f"jax {jax.__version__}, {jax.default_backend()}; {args.layers} layers, width {args.width}, batch {args.batch}"
+    )
     print(f"{'scales':<16}{'eqns':>6}{'trace ms':>10}{'compile cpu s':>15}{'run ms':>9}")
     for r in rows:
-        print(f"{r['scales']:<16}{r['equations']:>6}{r['trace_ms']:>10.1f}{r['compile_cpu_s']:>15.3f}{r['run_ms']:>9.3f}")
+        print(
+            f"{r['scales']:<16}{r['equations']:>6}{r['trace_ms']:>10.1f}{r['compile_cpu_s']:>15.3f}{r['run_ms']:>9.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ least squares and prints the slope (seconds per layer), the intercept and R^2: a
 time (R^2 close to 1, no growth of the per-layer cost with depth) means that the interpreter
 and the rules do a constant amount of work per equation.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -107,7 +108,9 @@ def main(argv=None):
     key = jax.random.PRNGKey(0)
     tokens = jax.random.randint(key, (BATCH, SEQ + 1), 0, VOCAB)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}; width {WIDTH}, {args.repeat} traces per depth (median)")
-    print(f"{'layers':>6}{'plain s':>10}{'scalify s':>11}{'ratio':>8}{'s/layer':>10}{'plain eqns':>12}{'scalify eqns':>14}")
+    print(
+        f"{'layers':>6}{'plain s':>10}{'scalify s':>11}{'ratio':>8}{'s/layer':>10}{'plain eqns':>12}{'scalify eqns':>14}"
+    )
     rows = []
     for layers in depths:
         params = init(key, layers)

@@ -15,6 +15,7 @@ These costs, measured on the machine at hand, explain where the compile-time ove
 scalified step goes (``docs/benchmarks.md``): a scale rule that divides costs a kernel; one
 that does not costs its chain of operations again in every kernel that uses the scale.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -4,6 +4,7 @@ Any UTF-8 text file works: the vocabulary is the sorted set of its characters, t
 90% of the encoded text is the training split and the last 10% the validation split.
 Batches are drawn with a NumPy generator seeded by the caller, so a run is reproducible.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -15,12 +15,14 @@ in four ways, from the same initial weights and on the same batches:
 It prints the test accuracy and the final training loss of each, side by side, then what
 the comparison shows, in a sentence per finding (see :func:`explain`).
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -21,6 +21,7 @@ LayerNorm statistics, the softmax of the attention and the final log-softmax are
 in float32 from ``compute`` inputs, as mixed-precision recipes usually do; everything else
 (residual stream, matmuls, GELU, their gradients) is in ``compute``.
 """
+
 from __future__ import annotations
 
 import dataclasses

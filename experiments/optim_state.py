@@ -20,13 +20,15 @@ It prints the final training loss (mean of the last 10 steps), its difference fr
 and the test accuracy. ``--ema`` instead measures how an exponential moving average stored
 in each dtype drifts from the float32 one (:func:`ema_storage_error`).
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -171,7 +173,7 @@ def ema_storage_error(steps: int = 3000, size: int = 4096, seed: int = 0) -> dic
     for decay, squared in ((0.9, False), (0.999, True)):
         inputs = jnp.asarray(np.square(noise * magnitude) if squared else noise * magnitude)
         ref = optax.ema(decay, debias=False)
-        ref_state = jax.lax.scan(lambda s, x: (ref.update(x, s)[1], None), ref.init(inputs[0]), inputs)[0]
+        ref_state = jax.lax.scan(lambda s, x, ref=ref: (ref.update(x, s)[1], None), ref.init(inputs[0]), inputs)[0]
         for dtype in (F16, jnp.bfloat16, E4M3, E5M2):
             tx = jsa.optim.scale_state(ref, dtype)
             update = jax.jit(tx.update)

@@ -13,6 +13,7 @@ weights and use ``optax.adam(1e-3)`` with its default ``eps=1e-8``:
 The script ends with a sentence per run saying what the comparison shows (see
 :func:`explain`).
 """
+
 from __future__ import annotations
 
 import argparse

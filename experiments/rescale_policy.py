@@ -11,6 +11,7 @@ of the step after ``--chart-step`` steps are charted for both policies
 (``jsa.analysis.record_scales``), into ``rescale_policy_static.png`` and
 ``rescale_policy_default.png``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,7 +87,11 @@ def _value(x) -> float:
 
 
 def _max_log2_scale(tree) -> float:
-    scales = [float(np.log2(x.scale)) for x in jax.tree.leaves(tree, is_leaf=jsa.is_scaled_leaf) if isinstance(x, jsa.ScaledArray)]
+    scales = [
+        float(np.log2(x.scale))
+        for x in jax.tree.leaves(tree, is_leaf=jsa.is_scaled_leaf)
+        if isinstance(x, jsa.ScaledArray)
+    ]
     return max(scales) if scales else 0.0
 
 

@@ -9,6 +9,7 @@ and once with ``jsa.ops.dynamic_rescale_l2_grad`` on the input of every LayerNor
 ("after", the paper's algorithm 5: the gradient flowing back through each LayerNorm is
 rescaled to unit RMS). Both charts are saved, and the text summaries printed.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -23,6 +23,7 @@ Two recipes of scalify are compared:
   every LayerNorm input gradient, and for FP16 moments a hand-written wrapper that rescales
   the weight gradients and the moments (``stored_in``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,9 @@ import math
 import platform
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -94,13 +96,15 @@ class RunConfig:
             "activations": _name(p.compute),
             "master_weights": _name(self.master),
             "weight_grads": _name(self.master),
-            "optimizer_state": _name(self.opt_state) + ("" if self.opt_state == F32 else " storage, float32 arithmetic"),
+            "optimizer_state": _name(self.opt_state)
+            + ("" if self.opt_state == F32 else " storage, float32 arithmetic"),
             "scales": "float32 power-of-two" if self.scalify else "none",
             "rescale_policy": ("static" if self.manual else "default") if self.scalify else "n/a",
             "dynamic_rescale": self._rescales(),
-            "loss_scaling": "dynamic (2^15 start, x0.5 on overflow, x2 every 200 good steps)" if self.loss_scale else "none",
+            "loss_scaling": "dynamic (2^15 start, x0.5 on overflow, x2 every 200 good steps)"
+            if self.loss_scale
+            else "none",
         }
-
 
     def _rescales(self) -> str:
         if not self.scalify:
@@ -132,26 +136,55 @@ def _configs() -> dict[str, RunConfig]:
         # The whole training state in 16 bits (weights and Adam moments), without scalify.
         RunConfig("fp16_state", "FP16 weights + FP16 Adam, no scaling", "", fp16, master=F16, opt_state=F16),
         RunConfig(
-            "fp16_state_loss_scale", "FP16 weights + FP16 Adam, loss scaling", "", fp16, master=F16, opt_state=F16,
+            "fp16_state_loss_scale",
+            "FP16 weights + FP16 Adam, loss scaling",
+            "",
+            fp16,
+            master=F16,
+            opt_state=F16,
             loss_scale=True,
         ),
-        RunConfig("bf16_state", "BF16 weights + BF16 Adam, no scaling", "", Precision(compute=BF16), master=BF16, opt_state=BF16),
+        RunConfig(
+            "bf16_state",
+            "BF16 weights + BF16 Adam, no scaling",
+            "",
+            Precision(compute=BF16),
+            master=BF16,
+            opt_state=BF16,
+        ),
         # Scalify, README recipe: default rescale policy, no rescale call in the model or update.
         RunConfig("scalify_fp16", "scalify FP16", "#1", fp16, scalify=True),
         RunConfig("scalify_fp16_master", "scalify FP16 + FP16 master", "#2", fp16, master=F16, scalify=True),
         RunConfig("scalify_fp8", "scalify FP8 matmuls", "#3", fp8, master=F16, scalify=True),
-        RunConfig("scalify_fp8_fp16_adam", "scalify FP8 + FP16 Adam", "#4", fp8, master=F16, opt_state=F16, scalify=True),
-        RunConfig("scalify_fp16_fp16_adam", "scalify FP16 + FP16 Adam", "", fp16, master=F16, opt_state=F16, scalify=True),
+        RunConfig(
+            "scalify_fp8_fp16_adam", "scalify FP8 + FP16 Adam", "#4", fp8, master=F16, opt_state=F16, scalify=True
+        ),
+        RunConfig(
+            "scalify_fp16_fp16_adam", "scalify FP16 + FP16 Adam", "", fp16, master=F16, opt_state=F16, scalify=True
+        ),
         # Scalify, the paper's placement: static policy and manual rescales.
         RunConfig("scalify_fp16_manual", "scalify FP16, manual", "#1", manual16, scalify=True, manual=True),
         RunConfig(
-            "scalify_fp16_master_manual", "scalify FP16 + FP16 master, manual", "#2", manual16, master=F16,
-            scalify=True, manual=True,
+            "scalify_fp16_master_manual",
+            "scalify FP16 + FP16 master, manual",
+            "#2",
+            manual16,
+            master=F16,
+            scalify=True,
+            manual=True,
         ),
-        RunConfig("scalify_fp8_manual", "scalify FP8 matmuls, manual", "#3", manual8, master=F16, scalify=True, manual=True),
         RunConfig(
-            "scalify_fp8_fp16_adam_manual", "scalify FP8 + FP16 Adam, manual", "#4", manual8, master=F16, opt_state=F16,
-            scalify=True, manual=True,
+            "scalify_fp8_manual", "scalify FP8 matmuls, manual", "#3", manual8, master=F16, scalify=True, manual=True
+        ),
+        RunConfig(
+            "scalify_fp8_fp16_adam_manual",
+            "scalify FP8 + FP16 Adam, manual",
+            "#4",
+            manual8,
+            master=F16,
+            opt_state=F16,
+            scalify=True,
+            manual=True,
         ),
     ]
     return {r.name: r for r in runs}
@@ -164,7 +197,12 @@ GROUPS = {
     "main": ("fp32", "fp16", "fp16_loss_scale", "bf16") + _PAPER + tuple(n + "_manual" for n in _PAPER),
     # Weights and Adam moments in 16 bits too: where plain FP16 fails.
     "state16": (
-        "fp32", "fp16_state", "fp16_state_loss_scale", "bf16_state", "scalify_fp16_fp16_adam", "scalify_fp8_fp16_adam",
+        "fp32",
+        "fp16_state",
+        "fp16_state_loss_scale",
+        "bf16_state",
+        "scalify_fp16_fp16_adam",
+        "scalify_fp8_fp16_adam",
     ),
     "unscaled_counterparts": ("fp32", "fp16_master", "fp8"),
 }
@@ -553,11 +591,14 @@ def time_configs(runs: list[RunConfig], cfg: GPTConfig, args, params32, batches,
         for r in runs:
             for i in range(steps):
                 t0 = time.perf_counter()
-                loss, states[r.name] = updates[r.name](states[r.name], jnp.asarray(batches[(k * steps + i) % len(batches)]))
+                loss, states[r.name] = updates[r.name](
+                    states[r.name], jnp.asarray(batches[(k * steps + i) % len(batches)])
+                )
                 float(loss)
                 times[r.name].append(time.perf_counter() - t0)
     return {
-        n: {"median_s": float(np.median(t)), "min_s": float(np.min(t)), "compile_s": compile_s[n]} for n, t in times.items()
+        n: {"median_s": float(np.median(t)), "min_s": float(np.min(t)), "compile_s": compile_s[n]}
+        for n, t in times.items()
     }
 
 
@@ -587,7 +628,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", help="UTF-8 text file (e.g. ../shared/data/tinyshakespeare.txt)")
     p.add_argument(
-        "--configs", default="main", help=f"'all', a group ({', '.join(GROUPS)}) or comma-separated among {','.join(CONFIGS)}"
+        "--configs",
+        default="main",
+        help=f"'all', a group ({', '.join(GROUPS)}) or comma-separated among {','.join(CONFIGS)}",
     )
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--batch", type=int, default=16)
@@ -601,18 +644,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the training batches")
     p.add_argument("--eval-seed", type=int, default=None, help="seed of the fixed evaluation batches (default: --seed)")
-    p.add_argument("--nan-patience", type=int, default=20, help="stop a configuration after this many non-finite losses in a row")
+    p.add_argument(
+        "--nan-patience", type=int, default=20, help="stop a configuration after this many non-finite losses in a row"
+    )
     p.add_argument("--max-chars", type=int, default=None, help="use only the first characters of --data")
     p.add_argument("--out", default="results/gpt", help="output folder for gpt_results.json and the loss curves (png)")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--timing", type=int, default=0, metavar="ROUNDS",
-                   help="only time the step: ROUNDS interleaved rounds of 5 steps per configuration (writes gpt_timing.json)")
-    p.add_argument("--fast-compile", action="store_true", help="fewer XLA optimisations: quicker to start, slower steps (smoke tests)")
-    p.add_argument("--record-scales", action="store_true",
-                   help="instead of training: record the data of the first step of each (scalified) configuration "
-                        "with jsa.analysis.record_scales and print the FP8 casts")
-    p.add_argument("--merge", nargs="+", metavar="JSON",
-                   help="instead of training: merge results files of runs with the same settings into --out")
+    p.add_argument(
+        "--timing",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="only time the step: ROUNDS interleaved rounds of 5 steps per configuration (writes gpt_timing.json)",
+    )
+    p.add_argument(
+        "--fast-compile",
+        action="store_true",
+        help="fewer XLA optimisations: quicker to start, slower steps (smoke tests)",
+    )
+    p.add_argument(
+        "--record-scales",
+        action="store_true",
+        help="instead of training: record the data of the first step of each (scalified) configuration "
+        "with jsa.analysis.record_scales and print the FP8 casts",
+    )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="instead of training: merge results files of runs with the same settings into --out",
+    )
     args = p.parse_args(argv)
     if args.data is None and not args.merge:
         p.error("--data is required (or --merge)")
@@ -681,8 +742,13 @@ def run(args: argparse.Namespace) -> list[dict]:
 def _git_commit() -> str | None:
     """The commit of the checkout that runs this (None outside a git checkout)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).resolve().parent,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -720,7 +786,9 @@ def merge_results(paths: list[str], out: Path) -> list[dict]:
         for r in part["results"]:
             results.setdefault(r["name"], r)
     commits = sorted({s["meta"].get("commit") or "unknown" for s in saved})
-    write_outputs(list(results.values()), {**meta, "commit": ", ".join(commits), "merged_from": list(map(str, paths))}, out)
+    write_outputs(
+        list(results.values()), {**meta, "commit": ", ".join(commits), "merged_from": list(map(str, paths))}, out
+    )
     return list(results.values())
 
 

@@ -1,8 +1,6 @@
 """jax_scalify: end-to-end scale propagation for FP16 and FP8 training in JAX."""
-from . import core, lax, ops, quantization, tree
-from . import analysis, extend
-from . import nn
-from . import optim
+
+from . import analysis, core, extend, lax, nn, ops, optim, quantization, tree
 from .core import (
     Pow2RoundMode,
     RescalePolicy,

@@ -30,6 +30,7 @@ Example, a rule for a primitive that keeps its operand's scale::
         \"\"\"Scale kept, my_op applied to the data.\"\"\"
         return jsx.bind_keep_scale(my_p, x, **params)
 """
+
 from .core.array import ScaledArray, ScaleFacts, is_floating_dtype
 from .core.custom_scale import custom_scale_call_p
 from .core.interpreter import concrete_scalar, eval_closed_jaxpr, eval_scaled_jaxpr, observe_equations
@@ -51,25 +52,29 @@ from .lax import base_scaling, subjaxpr
 from .lax.base_scaling import *  # noqa: F401,F403  (its __all__: the shared scale arithmetic)
 from .lax.subjaxpr import *  # noqa: F401,F403  (its __all__: sub-jaxprs and their scaled outputs)
 
-__all__ = [
-    "RegisteredRule",
-    "ScaleFacts",
-    "ScaledArray",
-    "ScaledPrimitiveType",
-    "ScaledRule",
-    "concrete_scalar",
-    "custom_scale_call_p",
-    "eval_closed_jaxpr",
-    "eval_scaled_jaxpr",
-    "find_registered_scaled_op",
-    "is_floating_dtype",
-    "lax_primitive",
-    "observe_equations",
-    "primitive_of",
-    "promote",
-    "register_scaled_lax_op",
-    "register_scaled_op",
-    "registered_rule",
-    "registered_rules",
-    "scales_are_pow2",
-] + base_scaling.__all__ + subjaxpr.__all__
+__all__ = (
+    [
+        "RegisteredRule",
+        "ScaleFacts",
+        "ScaledArray",
+        "ScaledPrimitiveType",
+        "ScaledRule",
+        "concrete_scalar",
+        "custom_scale_call_p",
+        "eval_closed_jaxpr",
+        "eval_scaled_jaxpr",
+        "find_registered_scaled_op",
+        "is_floating_dtype",
+        "lax_primitive",
+        "observe_equations",
+        "primitive_of",
+        "promote",
+        "register_scaled_lax_op",
+        "register_scaled_op",
+        "registered_rule",
+        "registered_rules",
+        "scales_are_pow2",
+    ]
+    + base_scaling.__all__
+    + subjaxpr.__all__
+)

@@ -28,10 +28,12 @@ Example (scaled FP16 weights, gradients and Adam moments)::
         updates, opt_state = tx.update(grads, opt_state, params)
         return loss, optax.apply_updates(params, updates), opt_state
 """
+
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -193,9 +195,7 @@ def _check_stored(state: PyTree, storage: _Storage, outside_scalify: bool) -> No
 def _cast_like(new: PyTree, old: PyTree) -> PyTree:
     """Updates cast back to the dtypes of the incoming updates (what ``optax.apply_updates`` expects)."""
     try:
-        return jax.tree.map(
-            lambda u, g: u.astype(g.dtype) if _is_floating(u) and _is_floating(g) else u, new, old
-        )
+        return jax.tree.map(lambda u, g: u.astype(g.dtype) if _is_floating(u) and _is_floating(g) else u, new, old)
     except ValueError:  # the inner transformation changed the tree structure: leave it to it
         return new
 

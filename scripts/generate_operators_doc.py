@@ -3,6 +3,7 @@
 Usage: ``python scripts/generate_operators_doc.py`` (writes the file), or
 ``python scripts/generate_operators_doc.py --check`` (exit 1 if the file is out of date).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,14 +49,21 @@ def render() -> str:
     rules = registered_rules()
     prims = _all_primitives()
     covered = sum(1 for p in prims.values() if p in rules)
-    lines = [HEADER, f"{covered} of {len(prims)} primitives have a rule.\n", "| primitive | rule | when | scale logic |", "| --- | --- | --- | --- |"]
+    lines = [
+        HEADER,
+        f"{covered} of {len(prims)} primitives have a rule.\n",
+        "| primitive | rule | when | scale logic |",
+        "| --- | --- | --- | --- |",
+    ]
     for name in sorted(prims):
         entry = rules.get(prims[name])
         if entry is None:
             lines.append(f"| `{name}` | no | | |")
         else:
             summary = entry.summary.replace("|", "\\|")
-            lines.append(f"| `{name}` | `{entry.rule.__module__.rsplit('.', 1)[-1]}.{entry.rule.__name__}` | {_WHEN[entry.scaled_type]} | {summary} |")
+            lines.append(
+                f"| `{name}` | `{entry.rule.__module__.rsplit('.', 1)[-1]}.{entry.rule.__name__}` | {_WHEN[entry.scaled_type]} | {summary} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -4,6 +4,7 @@ XLA reads ``XLA_FLAGS`` once, when JAX initialises its backends, so the flag is 
 import time, before any test module imports JAX. Flags already in the environment are kept;
 a device count given there wins.
 """
+
 import os
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"

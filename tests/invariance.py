@@ -11,18 +11,20 @@ values and ``scalify(f)`` on the scaled inputs, and checks that
 Every test module with rules defines ``INVARIANCE_CASES``; ``tests/properties`` runs them
 all and checks that together they exercise every registered rule.
 """
+
 from __future__ import annotations
 
-import os
 import dataclasses
-from typing import Any, Callable, Sequence
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import hypothesis.strategies as st
-import pytest
-from hypothesis import given, settings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from hypothesis import given, settings
 
 import jax_scalify as jsa
 

@@ -4,11 +4,13 @@ Every program here is ordinary JAX code, written without any knowledge of scalif
 run it once plainly and once under ``jsa.scalify`` and compare. Parameters are initialised
 with NumPy from a ``np.random.Generator`` so that a Hypothesis seed fixes everything.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import hypothesis.strategies as st
 import jax

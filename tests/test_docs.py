@@ -1,4 +1,5 @@
 """The documentation matches the code: the generated operator table, the README's recipe."""
+
 from pathlib import Path
 
 import jax.numpy as jnp

@@ -1,4 +1,5 @@
 """``jax_scalify.extend``: the engine for rule authors, kept out of the user namespaces."""
+
 import jax.numpy as jnp
 import numpy as np
 import pytest

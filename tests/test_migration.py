@@ -1,4 +1,5 @@
 """jax-scalify 0.1's public names: importable, with their 0.1 meaning (see docs/migration.md)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,7 +59,15 @@ def test_the_imports_of_the_0_1_test_files_work():
 
     assert debug_callback is jsa.ops.debug_callback is jsa.core.debug_callback is jsa.debug_callback
     assert Array is jax.Array and isinstance(jnp.ones(2), ArrayTypes) and Sharding is jax.sharding.Sharding
-    for name in ("ScaledArray", "as_scaled_array", "asarray", "scaled_array", "scalify", "ScalifyConfig", "Pow2RoundMode"):
+    for name in (
+        "ScaledArray",
+        "as_scaled_array",
+        "asarray",
+        "scaled_array",
+        "scalify",
+        "ScalifyConfig",
+        "Pow2RoundMode",
+    ):
         assert getattr(jsa, name) is getattr(jsa.core, name)
 
 

@@ -1,4 +1,5 @@
 """``jsa.optim.scale_state``: Optax state stored in FP16/FP8 with scales, updated in float32."""
+
 import warnings
 
 import chex
@@ -9,8 +10,8 @@ import optax
 import pytest
 
 import jax_scalify as jsa
-from jax_scalify.optim import scale_state
 from experiments.optim_state import make_optimizer as optimizer_with_defaults
+from jax_scalify.optim import scale_state
 from tests.invariance import assert_close_values, assert_pow2_scales, scaled
 from tests.nn.helpers import init_mlp
 
@@ -84,7 +85,7 @@ def test_float32_state_under_scalify_equals_the_plain_optimizer(name, schedule):
     shapes = {"w": (8, 4), "b": (4,), "v": (3, 5)}
     exponents = {k: int(rng.integers(-12, 13)) for k in shapes}
     data = {k: rng.standard_normal(shape).astype(np.float32) for k, shape in shapes.items()}
-    pow2 = {k: np.float32(2.0 ** e) for k, e in exponents.items()}
+    pow2 = {k: np.float32(2.0**e) for k, e in exponents.items()}
     targets = {k: rng.standard_normal(shape).astype(np.float32) * pow2[k] for k, shape in shapes.items()}
     params = {k: data[k] * pow2[k] for k in shapes}
     scaled_params = {k: scaled(data[k], exponents[k]) for k in shapes}

@@ -8,6 +8,7 @@ The chart shows, op by op, the RMS of the values and of the data against the FP1
 ranges: where the data drifts out of range is where a ``jsa.ops.dynamic_rescale`` helps.
 Plotting needs matplotlib (``pip install 'jax_scalify[analysis]'``).
 """
+
 from .hlo import GemmCall, entry_kernels, fp8_upcasts, gemm_calls
 from .plot import DEFAULT_FORMATS, FormatRange, plot_report
 from .recorder import (

@@ -16,6 +16,7 @@ XLA's autotuner picks one per matmul:
 The functions read the text of the optimised HLO module (``Compiled.as_text()``); they find
 nothing in a CPU program, whose matmuls are neither custom calls nor Triton fusions.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -15,6 +15,7 @@ matplotlib is imported when a chart is made (``pip install 'jax_scalify[analysis
 is used through its object API and the Agg canvas, so the global pyplot backend of the
 caller is left alone.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +23,8 @@ import io
 import math
 import os
 import pathlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -42,7 +44,7 @@ class FormatRange:
     log2_max: float
 
     @classmethod
-    def of(cls, name: str, dtype: Any, color: str) -> "FormatRange":
+    def of(cls, name: str, dtype: Any, color: str) -> FormatRange:
         """The range of a NumPy / ml_dtypes floating dtype."""
         info = ml_dtypes.finfo(np.dtype(dtype))
         bounds = (info.smallest_subnormal, info.tiny, info.max)
@@ -129,11 +131,12 @@ def _draw_groups(ax, records: Sequence[ScaleRecord]) -> None:
 
 def _draw_phases(ax, records: Sequence[ScaleRecord], x_right: float) -> None:
     """A rule between passes and the name of each pass at its top right."""
-    for start, stop, phase in _runs([r.phase for r in records]):
+    for start, _stop, phase in _runs([r.phase for r in records]):
         if start > 0:
             ax.axhline(start - 0.5, color="black", lw=1.4, zorder=3)
-        ax.text(x_right - 0.3, start - 0.35, f"{phase} pass", ha="right", va="top", fontsize=9, fontweight="bold",
-                zorder=4)
+        ax.text(
+            x_right - 0.3, start - 0.35, f"{phase} pass", ha="right", va="top", fontsize=9, fontweight="bold", zorder=4
+        )
 
 
 def _draw_series(ax, records: Sequence[ScaleRecord], x_left: float, x_right: float) -> None:
@@ -146,8 +149,17 @@ def _draw_series(ax, records: Sequence[ScaleRecord], x_left: float, x_right: flo
         xs = np.array([getattr(r, field) for r in records], dtype=np.float64)
         xs[~np.isfinite(xs)] = np.nan  # drawn by the edge markers below
         filled = marker == "D"
-        ax.scatter(xs, rows, s=13 if filled else 22, marker=marker, zorder=5, label=label, linewidths=0.9,
-                   facecolors=color if filled else "none", edgecolors=color)
+        ax.scatter(
+            xs,
+            rows,
+            s=13 if filled else 22,
+            marker=marker,
+            zorder=5,
+            label=label,
+            linewidths=0.9,
+            facecolors=color if filled else "none",
+            edgecolors=color,
+        )
     edges = (
         ([i for i, r in enumerate(records) if r.log2_rms_data == -math.inf], x_left + 0.6, "<", "all zeros"),
         ([i for i, r in enumerate(records) if math.isnan(r.log2_rms_data)], x_right - 0.6, ">", "no finite element"),
@@ -243,8 +255,18 @@ def plot_report(
     if title:
         fig.suptitle(title, x=left, ha="left", y=1 - 0.1 / height_in, va="top", fontsize=12)
     handles, labels = ax.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(left, 1 - 0.38 / height_in), ncols=len(handles),
-               fontsize=8, frameon=False, borderaxespad=0, handletextpad=0.3, columnspacing=2.0)
+    fig.legend(
+        handles,
+        labels,
+        loc="upper left",
+        bbox_to_anchor=(left, 1 - 0.38 / height_in),
+        ncols=len(handles),
+        fontsize=8,
+        frameon=False,
+        borderaxespad=0,
+        handletextpad=0.3,
+        columnspacing=2.0,
+    )
     _save_png(fig, path, dpi)
     return path
 

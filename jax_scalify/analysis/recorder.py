@@ -23,6 +23,7 @@ pass (``jax.grad`` transposes the linearised forward); any other equation is
 ``"forward"``, unless it follows a backward equation and is not under ``jvp``, which makes
 it ``"update"`` (e.g. the optimizer step after ``jax.value_and_grad``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,8 @@ import json
 import math
 import os
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import ml_dtypes
@@ -249,7 +251,7 @@ class ScaleRecorder:
         self._seen_backward = False
         self._stack: contextlib.ExitStack | None = None
 
-    def __enter__(self) -> "ScaleRecorder":
+    def __enter__(self) -> ScaleRecorder:
         if self._stack is not None:
             raise RuntimeError("This ScaleRecorder is already active; use a new one for a nested recording.")
         self._stack = contextlib.ExitStack()
@@ -261,7 +263,7 @@ class ScaleRecorder:
         stack, self._stack = self._stack, None
         stack.close()
 
-    def report(self, outputs: Any = None) -> "ScaleReport":
+    def report(self, outputs: Any = None) -> ScaleReport:
         """The records so far as a :class:`ScaleReport`."""
         return ScaleReport(list(self.records), outputs)
 
@@ -315,7 +317,7 @@ class ScaleRecorder:
         )
 
 
-def record_scales(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> "ScaleReport":
+def record_scales(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> ScaleReport:
     """Run ``jsa.scalify(fun)(*args, **kwargs)`` eagerly and record the scale of every value.
 
     ``fun`` may be a plain function or one already wrapped with ``jsa.scalify`` (and
@@ -446,4 +448,3 @@ class ScaleReport:
         from .plot import plot_report
 
         return plot_report(self, path, title=title, **kwargs)
-

@@ -4,8 +4,9 @@ This namespace is the user API (plus jax-scalify 0.1's names, kept with their me
 ``docs/migration.md``). The engine behind it (registry entries, interpreter entry points,
 promotion) is for rule authors, in :mod:`jax_scalify.extend`.
 """
-from .array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
+
 from . import compat
+from .array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
 from .compat import (
     Array,
     ArrayTypes,

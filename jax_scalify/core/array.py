@@ -1,10 +1,12 @@
 """The data model: ``ScaledArray``, a pair ``(data, scale)`` whose value is ``data * scale``."""
+
 from __future__ import annotations
 
 import contextlib
 import functools
 import threading
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -218,7 +220,7 @@ class ScaledArray:
     @classmethod
     def unchecked(
         cls, data: Array, scale: Array, *, any_scale: bool = False, slices: tuple[Array, Array] | None = None
-    ) -> "ScaledArray":
+    ) -> ScaledArray:
         """``ScaledArray(data, scale)`` without any check, for code that computed the scale itself.
 
         Scale rules, runtime callbacks and deserialisation use it: an intermediate scale may
@@ -234,7 +236,7 @@ class ScaledArray:
         """What is known about this value besides data and scale (see :class:`ScaleFacts`)."""
         return ScaleFacts(self.any_scale, self.slices is not None)
 
-    def plain(self) -> "ScaledArray":
+    def plain(self) -> ScaledArray:
         """The same data and scale without any :class:`ScaleFacts` (what a rule's output starts from)."""
         if not self.any_scale and self.slices is None:
             return self
@@ -289,7 +291,7 @@ class ScaledArray:
         value = npapi.asarray(self.data).astype(work) * npapi.asarray(self.scale).astype(work)
         return value.astype(dtype)
 
-    def astype(self, dtype: DTypeLike) -> "ScaledArray":
+    def astype(self, dtype: DTypeLike) -> ScaledArray:
         """Cast the data to ``dtype``; the scale is kept, so the value is unchanged up to rounding."""
         if not is_floating_dtype(dtype):
             raise TypeError(
@@ -425,7 +427,11 @@ def _device_scales_valid(require_pow2: bool, *scales: Array) -> Array:
 
 # Tracer types (by name: their classes are not public JAX API) of the transformations that must
 # go inside scalify. Tracers of jax.jit / jax.make_jaxpr are fine: scalify composes with them.
-_INNER_ONLY_TRACERS = {"JVPTracer": "jax.grad/jax.jvp", "LinearizeTracer": "jax.grad/jax.vjp", "BatchTracer": "jax.vmap"}
+_INNER_ONLY_TRACERS = {
+    "JVPTracer": "jax.grad/jax.jvp",
+    "LinearizeTracer": "jax.grad/jax.vjp",
+    "BatchTracer": "jax.vmap",
+}
 
 
 def _outer_transformation(x: Any) -> str | None:

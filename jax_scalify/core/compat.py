@@ -4,9 +4,11 @@ They serve code and tests written for the 0.1 release (``from jax_scalify.core i
 make_scaled_scalar, is_static_zero, ...``). New code has better tools for most of them: see
 ``docs/migration.md`` for each difference of behaviour and the reason for it.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -6,6 +6,7 @@ that doubles as a context manager, so a block of code can trace with other setti
     with jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.UP):
         out = jsa.scalify(fn)(x)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -85,9 +86,11 @@ class ScalifyConfig:
             )
         object.__setattr__(self, "scale_dtype", dtype)
         if not isinstance(self.guard_traced_scales, bool):
-            raise ValueError(f"ScalifyConfig.guard_traced_scales must be True or False, got {self.guard_traced_scales!r}.")
+            raise ValueError(
+                f"ScalifyConfig.guard_traced_scales must be True or False, got {self.guard_traced_scales!r}."
+            )
 
-    def __enter__(self) -> "ScalifyConfig":
+    def __enter__(self) -> ScalifyConfig:
         _config_stack().append(self)
         return self
 

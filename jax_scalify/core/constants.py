@@ -24,12 +24,14 @@ that the narrow trace lost (a finite non-zero float32 value that became 0 or ±i
 detected by comparing the literals of both traces; the narrow literals that may stand for
 one of them raise an error naming the source line if they meet scaled data.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -194,7 +196,9 @@ def recover(narrow: ClosedJaxpr, trace_widened: Callable[[], ClosedJaxpr]) -> Ex
 
 
 # --- pairing the two traces --------------------------------------------------------------------
-def _pair_jaxprs(narrow: Jaxpr, narrow_consts: Sequence[Any], wide: Jaxpr, wide_consts: Sequence[Any], found: ExactConstants) -> None:
+def _pair_jaxprs(
+    narrow: Jaxpr, narrow_consts: Sequence[Any], wide: Jaxpr, wide_consts: Sequence[Any], found: ExactConstants
+) -> None:
     pairs = _pair_equations(narrow.eqns, wide.eqns)
     if pairs is None:
         _mark_lost(narrow, wide, found)

@@ -29,10 +29,12 @@ scalar scale), and an output scale that comes out per example is rebalanced to t
 largest one (each example's data multiplied by ``its scale / largest``, an exact power of
 two, as for the stacked outputs of ``scan``).
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -15,6 +15,7 @@ forward equation), and the outputs of ``scalify``; loop carries are the control-
 Nothing here knows about individual primitives: the rules, including those of call and
 control-flow primitives, live in :mod:`jax_scalify.lax` and are looked up in the registry.
 """
+
 from __future__ import annotations
 
 import collections
@@ -26,7 +27,8 @@ import sys
 import threading
 import traceback as pytraceback
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -117,11 +119,11 @@ def scalify(
     """
     policy = rescale_policy.check_policy(policy)
     if fun is None:
-        return functools.partial(
-            scalify, policy=policy, static_argnums=static_argnums, static_argnames=static_argnames
-        )
+        return functools.partial(scalify, policy=policy, static_argnums=static_argnums, static_argnames=static_argnames)
     if not callable(fun):
-        raise TypeError(f"scalify expects a function, got {fun!r}; pass the policy as a keyword: scalify(f, policy=...).")
+        raise TypeError(
+            f"scalify expects a function, got {fun!r}; pass the policy as a keyword: scalify(f, policy=...)."
+        )
     if getattr(fun, "_jsa_scalified", False) and static_argnums is None and static_argnames is None:
         return fun
     argnums, argnames = _static_arguments(fun, static_argnums, static_argnames)
@@ -300,7 +302,7 @@ def _trace_on_data(fun, in_tree, leaves, dynamic) -> tuple[ClosedJaxpr, Any, dic
 
 # Exact values of the constants that a trace on narrow-float data rounded (see core.constants),
 # per traced jaxpr; kept as long as the jaxpr (e.g. in a trace cache).
-_exact_constants: "weakref.WeakKeyDictionary[Jaxpr, constants.ExactConstants]" = weakref.WeakKeyDictionary()
+_exact_constants: weakref.WeakKeyDictionary[Jaxpr, constants.ExactConstants] = weakref.WeakKeyDictionary()
 
 
 def _recover_exact_constants(closed_jaxpr: ClosedJaxpr, flat_fun, examples) -> None:
@@ -534,9 +536,9 @@ def _missing_rule_error(eqn: JaxprEqn, invals: list) -> NotImplementedError:
     )
 
 
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (jax, np)
-) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (jax, np)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+)
 
 
 def _is_library_file(file_name: str) -> bool:
@@ -558,8 +560,10 @@ def _user_location(eqn: JaxprEqn) -> str:
             return f"{frame.file_name}:{frame.line_num} ({frame.function_name})"
     for frame in reversed(pytraceback.extract_stack()):
         if not _is_library_file(frame.filename):
-            return f"{frame.filename}:{frame.lineno} ({frame.name}), the call of the scalified function " \
+            return (
+                f"{frame.filename}:{frame.lineno} ({frame.name}), the call of the scalified function "
                 "(the primitive comes from library code it runs)"
+            )
     return "unknown (no user frame on the stack)"
 
 
@@ -573,7 +577,9 @@ def _check_rule_outputs(eqn: JaxprEqn, outs: list) -> None:
         if not hasattr(aval, "shape"):
             continue
         got_shape, got_dtype = np.shape(out.data if isinstance(out, ScaledArray) else out), getattr(out, "dtype", None)
-        if tuple(got_shape) != tuple(aval.shape) or (got_dtype is not None and got_dtype != aval.dtype):  # PRNG keys too
+        if tuple(got_shape) != tuple(aval.shape) or (
+            got_dtype is not None and got_dtype != aval.dtype
+        ):  # PRNG keys too
             raise RuntimeError(
                 f"The scale rule of '{eqn.primitive.name}' returned {_describe(out)}, "
                 f"expected {aval.dtype}{list(aval.shape)}. This is a bug in the rule."

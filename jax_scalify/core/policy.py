@@ -21,13 +21,15 @@ under every policy); only the representation moves back to unit size.
 Everything else stays static: the rules are not changed, and manual rescales
 (``jsa.ops.dynamic_rescale*``) compose with any policy.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
 import threading
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from jax.extend import source_info_util
@@ -87,7 +89,7 @@ class RescalePolicy:
             raise ValueError(f"RescalePolicy.sample_size must be a positive int or None, got {size!r}.")
 
     @classmethod
-    def static(cls) -> "RescalePolicy":
+    def static(cls) -> RescalePolicy:
         """The paper's pure static propagation: no automatic rescale anywhere."""
         return cls(gradients=False, loop_carries=False, outputs=False)
 

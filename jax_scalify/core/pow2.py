@@ -8,6 +8,7 @@ conventions: ``0 -> scale 0``, ``±inf -> scale inf``, ``nan -> nan``.
 The functions accept NumPy values (computed with NumPy, at trace time) or JAX arrays and
 tracers (computed with ``jax.numpy``).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -117,9 +118,7 @@ def _check_mode(mode: Pow2RoundMode) -> Pow2RoundMode:
     return mode
 
 
-def pow2_decompose(
-    x: Array, scale_dtype: Any = None, mode: Pow2RoundMode = Pow2RoundMode.DOWN
-) -> tuple[Array, Array]:
+def pow2_decompose(x: Array, scale_dtype: Any = None, mode: Pow2RoundMode = Pow2RoundMode.DOWN) -> tuple[Array, Array]:
     """Split ``x`` into ``(scale, mantissa)`` with ``x == scale * mantissa`` exactly.
 
     Args:

@@ -14,6 +14,7 @@ scalar constant. When such a value meets a scaled one, it is promoted:
   zero gets scale 0);
 - every other floating array gets scale 1.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -12,14 +12,17 @@ about the primitive::
 
 The interpreter only consults this table; it knows nothing about individual primitives.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
-from jax.extend.core import Primitive, primitives as _primitives
+from jax.extend.core import Primitive
+from jax.extend.core import primitives as _primitives
 
 ScaledRule = Callable[..., Any]
 
@@ -122,9 +125,7 @@ def register_scaled_op(
         The rule (so the decorator leaves the function usable by name).
     """
     if not isinstance(primitive, Primitive):
-        raise TypeError(
-            f"register_scaled_op expects a JAX primitive (jax.extend.core.Primitive), got {primitive!r}."
-        )
+        raise TypeError(f"register_scaled_op expects a JAX primitive (jax.extend.core.Primitive), got {primitive!r}.")
     if rule is None:
         return lambda fn: register_scaled_op(
             primitive, fn, scaled_type, unpromoted_inputs=unpromoted_inputs, scalar_preserving=scalar_preserving
@@ -172,7 +173,7 @@ def register_scaled_lax_op(
             f"register_scaled_lax_op needs a function named 'scaled_<primitive>', got '{name}'. "
             "Use register_scaled_op(primitive, rule) for other names."
         )
-    primitive = lax_primitive(name[len("scaled_"):])
+    primitive = lax_primitive(name[len("scaled_") :])
     return register_scaled_op(primitive, rule, options.pop("scaled_type"), **options)
 
 

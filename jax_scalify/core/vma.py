@@ -8,9 +8,11 @@ mantissa and scale, varies with the data it came from. When the interpreter re-b
 equation whose operands agreed in the traced program, it therefore widens the operands to the
 union of their varying axes, as JAX's own ``lax`` functions do for their operands.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np

@@ -10,10 +10,12 @@ after the call is an extra output, and it is written back into the objects given
 
 Only the public Flax API is used, and this module is imported only when ``flax.nnx`` is.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from flax import nnx
@@ -65,7 +67,7 @@ class GraphCall:
         self.functional_args = (_Layout(treedef, node_positions, graphdef), others, state)
 
     @classmethod
-    def of(cls, fun: Callable[..., Any], args: tuple, kwargs: dict) -> "GraphCall | None":
+    def of(cls, fun: Callable[..., Any], args: tuple, kwargs: dict) -> GraphCall | None:
         """The functional form of the call, or None when no NNX object is among the arguments."""
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_node_or_scaled)
         node_positions = tuple(i for i, x in enumerate(leaves) if is_graph_node(x))

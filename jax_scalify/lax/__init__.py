@@ -7,6 +7,7 @@ The scale arithmetic the rules share is in :mod:`.base_scaling`, the evaluation 
 and the fixed point of which of their outputs are scaled in :mod:`.subjaxpr` (both exported
 for rule authors by :mod:`jax_scalify.extend`, not here).
 """
+
 from . import (
     control_flow,
     primitives,

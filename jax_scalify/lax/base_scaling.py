@@ -10,9 +10,11 @@ and friends wrap a nested ``jit`` per call). Every scale is a power of two by co
 rounding is off (:func:`~jax_scalify.core.pow2.scales_are_pow2`), which lets rules take exact
 shortcuts.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -26,9 +26,11 @@ estimate would otherwise compound once per iteration (a recurrent cell's carry s
 growing by a constant factor per step until the data underflow). This covers the
 transposed scans of a backward pass too. The value of each carry is unchanged.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -5,6 +5,7 @@ returns ``(x, 1)``), so a model that calls them computes the same thing with or 
 scalify (the paper's model-invariance guarantee) and works under ``jax.jit``, ``jax.grad``
 and ``jax.vmap``. Under ``scalify`` their rules act on the ``(data, scale)`` pair.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -31,9 +32,7 @@ def _check_floating(name: str, x) -> None:
 def _checked_scale(name: str, scale) -> Array:
     scale = jnp.asarray(scale)
     if scale.ndim != 0 or not is_floating_dtype(scale.dtype):
-        raise TypeError(
-            f"jsa.lax.{name}: the scale must be a floating scalar, got {scale.dtype}{list(scale.shape)}."
-        )
+        raise TypeError(f"jsa.lax.{name}: the scale must be a floating scalar, got {scale.dtype}{list(scale.shape)}.")
     return scale.astype(get_scalify_config().scale_dtype)
 
 

@@ -15,9 +15,11 @@ Families:
 Every primitive is bound on the data with the equation's own params, so 0-d operands next
 to N-d ones (``mul a 2.0:f32[]``) work as in the plain program.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -286,7 +288,11 @@ def _convert_scalar(scalar: np.ndarray, *, new_dtype: Any, **params) -> np.ndarr
     (0 there) or ``-1e9`` (-inf) keep their value. The bound equation still converts.
     """
     scalar = np.asarray(scalar)
-    if is_floating_dtype(scalar.dtype) and is_floating_dtype(new_dtype) and np.dtype(new_dtype).itemsize < scalar.dtype.itemsize:
+    if (
+        is_floating_dtype(scalar.dtype)
+        and is_floating_dtype(new_dtype)
+        and np.dtype(new_dtype).itemsize < scalar.dtype.itemsize
+    ):
         return scalar
     with np.errstate(invalid="ignore", over="ignore"):  # nan/inf to int: as undefined as in XLA
         return scalar.astype(new_dtype)

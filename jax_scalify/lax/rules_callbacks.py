@@ -4,9 +4,11 @@ The callbacks run user Python code on the host, which knows nothing of scales: t
 plain values ``data * scale`` and return plain values. ``jsa.ops.debug_callback`` and
 ``jsa.ops.debug_print`` show data and scales instead.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np

@@ -24,6 +24,7 @@ helper, then computed its clipping bounds 2**-126 and 2**127 as scaled values wh
 alignment to a common scale underflowed, and returned a factor 0: inf data, NaN
 gradients.)
 """
+
 from __future__ import annotations
 
 import functools
@@ -61,7 +62,9 @@ class _CallSignature(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def _jitted_body(jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, signature: _CallSignature, config: ScalifyConfig):
+def _jitted_body(
+    jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, signature: _CallSignature, config: ScalifyConfig
+):
     """One ``jax.jit`` per sub-jaxpr, :class:`_CallSignature` and configuration (JAX caches compilations)."""
     values = {i: np.asarray(v, dtype) for i, dtype, v, _, _ in signature.constants}
     exact = {i: np.asarray(v, dtype) for i, _, _, dtype, v in signature.constants}

@@ -29,9 +29,11 @@ Private JAX names: none. The primitives that ``jax.extend`` does not export (``s
 ``pvary``, ``psum_invariant``, ``reduce_scatter``) are found by tracing tiny
 ``shard_map`` programs on an abstract mesh (no device is touched at import).
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -66,7 +68,9 @@ def _varying(x: Array) -> Array:
     return jax.lax.pcast(x, _AXIS, to="varying")
 
 
-shard_map_p, (pvary_p, psum_invariant_p) = _traced_primitives(lambda x: jax.lax.psum(_varying(x), _AXIS), PartitionSpec())
+shard_map_p, (pvary_p, psum_invariant_p) = _traced_primitives(
+    lambda x: jax.lax.psum(_varying(x), _AXIS), PartitionSpec()
+)
 _, (_, reduce_scatter_p) = _traced_primitives(
     lambda x: jax.lax.psum_scatter(_varying(x), _AXIS, tiled=True), PartitionSpec(_AXIS)
 )

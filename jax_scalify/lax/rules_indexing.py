@@ -13,6 +13,7 @@ logic:
 Sorting by a scaled key compares its data: with a positive scalar scale the order of the data
 is the order of the values.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -15,6 +15,7 @@ The scale-preserving ops are also declared scalar-preserving, so that a broadcas
 constant seen through them (``jnp.full(shape, 2.0).T``) is still split into mantissa and
 power-of-two scale when it meets a scaled value.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -17,9 +17,11 @@ Every param of the equation (``preferred_element_type``, precision, dimension nu
 groups, dilations, padding, sharding) is kept: the primitive is bound on the data with the
 equation's own params, so the output dtype is the plain primitive's.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -28,9 +28,11 @@ taken inside ``scalify`` (with ``grad`` outside, the matrix derivative of ``jnp.
 is lost: see the rule). ``eig`` has complex outputs, which cannot be scaled: they are
 plain (eigenvalues of the data times ``s_a``).
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -219,7 +221,9 @@ def scaled_tridiagonal(a: ScaledArray, *, lower: bool, **params) -> list:
 @register_scaled_lax_op
 def scaled_householder_product(a: ScaledArray, taus: ScaledArray, **params) -> ScaledArray:
     """Scale 1, computed on the values (float32 for narrow data): the reflectors have an implicit unit entry."""
-    return _unit(_on_values(P.householder_product_p, [with_scalar_scale(a), with_scalar_scale(taus)], params, a.dtype)[0])
+    return _unit(
+        _on_values(P.householder_product_p, [with_scalar_scale(a), with_scalar_scale(taus)], params, a.dtype)[0]
+    )
 
 
 __all__ = [

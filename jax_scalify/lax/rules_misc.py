@@ -8,9 +8,11 @@
   semantics; a traced scale goes along, replicated over a ``NamedSharding``'s mesh (a
   scalar cannot be partitioned). Scales folded at trace time stay constants.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -62,7 +64,7 @@ def scaled_device_put(
         entries.append((xs[i].scale, _scale_destination(devices[i]), _scale_destination(srcs[i]), copy_semantics[i]))
     values, dsts, srcs_all, copies = zip(*entries)
     outs = P.device_put_p.bind(*values, devices=dsts, srcs=srcs_all, copy_semantics=copies, **params)
-    scales = dict(zip(traced, outs[len(xs):]))
+    scales = dict(zip(traced, outs[len(xs) :]))
     return [
         ScaledArray(outs[i], scales.get(i, x.scale)) if isinstance(x, ScaledArray) else outs[i]
         for i, x in enumerate(xs)

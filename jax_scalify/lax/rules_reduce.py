@@ -22,9 +22,11 @@ kept and the reduction runs on the data; ``argmax``/``argmin`` read the data. Pr
 scale ``sa**K``; ``cumprod`` (a different power of ``sa`` at every position, which no scalar
 scale can express) and ``cumlogsumexp`` are computed on the values, output scale 1.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -126,9 +128,7 @@ def scaled_cumsum(x: ScaledArray, *, axis: int, **params) -> ScaledArray:
     The last (largest) partial sum has K terms: it is the one unit scaling is chosen for, and
     the early partial sums are smaller, never larger. 1/r placement as in reduce_sum.
     """
-    return unit_scaled_sum(
-        x.scale, x.shape[axis], lambda d: P.cumsum_p.bind(d, axis=axis, **params), x.data
-    )
+    return unit_scaled_sum(x.scale, x.shape[axis], lambda d: P.cumsum_p.bind(d, axis=axis, **params), x.data)
 
 
 @register_scaled_lax_op(scalar_preserving=True)

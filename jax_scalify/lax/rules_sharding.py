@@ -4,6 +4,7 @@ The constraint says where the blocks of an array live, never what its values are
 to the data, and a traced scalar scale is replicated over the same mesh (a scalar cannot be
 partitioned). A scale folded at trace time is a constant and stays one.
 """
+
 from __future__ import annotations
 
 from typing import Any

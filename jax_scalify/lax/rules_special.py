@@ -18,9 +18,11 @@ Families:
   operands are aligned to their largest scale and the outputs keep it; any other
   computation runs on the values in the data dtype, floating outputs with scale 1.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal

@@ -15,9 +15,11 @@ Families:
   and FP8 data from under- or overflowing;
 - ``sign`` and ``is_finite``: plain outputs (they carry no magnitude).
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

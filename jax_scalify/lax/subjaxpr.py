@@ -19,9 +19,11 @@ with :func:`fixed_point`.
   it was assumed plain (:func:`check_structure`), it joins the set and the trace is redone.
   The set only grows, so this ends after at most one retry per output.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from jax.extend.core import ClosedJaxpr, Jaxpr
 

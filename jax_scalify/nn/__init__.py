@@ -14,6 +14,7 @@ as its ``jax.nn`` counterpart) and uses its own scale rule under ``scalify``:
   Flax's ``dot_general=`` arguments (``nn.Dense``, ``nnx.Linear``, ``nnx.LinearGeneral``...);
 - :func:`cross_entropy`: integer-label softmax cross-entropy, exact power-of-two split of the loss.
 """
+
 from .activations import gelu, log_softmax, logsumexp, relu, silu, softmax
 from .cast_dot import CastDotGeneral, cast_dot_general, dot_general
 from .linear import linear

@@ -4,9 +4,11 @@ The rules work on the ``(data, scale)`` pair of a ``ScaledArray``: data widened 
 (float64 stays float64) so that 16- and 8-bit formats are never used for arithmetic, the
 scale a scalar of the same work dtype, and results cast back to the data dtype once.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np

@@ -19,9 +19,11 @@ Two families (the Scalify paper, appendix C):
   on the max-subtracted values ``(data - max(data)) * scale``; see each function for its
   output scale.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

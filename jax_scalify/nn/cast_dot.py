@@ -5,11 +5,13 @@ output cotangent cast to ``bwd_dtype``; :func:`cast_dot_general` binds the two f
 returns a callable with ``lax.dot_general``'s signature, which Flax layers take as their
 ``dot_general=`` argument. :func:`jax_scalify.nn.linear` is built on the same matmul.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -2,6 +2,7 @@
 
 Its matmul is :func:`jax_scalify.nn.dot_general`'s, on ``x[..., K] @ w[K, N]``.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,4 +1,5 @@
 """Losses with custom scale rules: ``cross_entropy``."""
+
 from __future__ import annotations
 
 from typing import Any

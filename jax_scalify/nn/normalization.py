@@ -9,6 +9,7 @@ scale is left is ``eps``, which is added to the variance of the value: in data u
 float16 and FP8 even then. The gain and bias are applied afterwards with the library's
 ``mul`` and ``add`` rules.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -3,6 +3,7 @@
 All of them are no-ops on values outside scalify (or the documented cast), so a model that
 calls them computes the same with and without scalify.
 """
+
 from .cast import cast_on_backward, cast_on_forward, reduce_precision_on_backward, reduce_precision_on_forward
 from .debug import debug_callback, debug_callback_grad, debug_print, debug_print_grad
 from .delayed import DelayedRescaleState, delayed_rescale, init_delayed_rescale_state

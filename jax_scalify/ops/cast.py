@@ -5,6 +5,7 @@ activations and weights, E5M2 gradients). Each takes and returns a single floati
 (apply ``jax.tree.map`` for pytrees). Under scalify the data is cast or rounded and the
 scale kept, so the value is kept up to the rounding of the format.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -12,9 +12,11 @@ numbers) are passed through unchanged. Like ``jax.debug.callback``, calls are un
 asynchronous under ``jax.jit``: call ``jax.effects_barrier()`` before reading what a
 callback recorded.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np

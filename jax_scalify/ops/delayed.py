@@ -18,6 +18,7 @@ What is stored is the statistic of the *value* (``scale * norm(data)``), so it s
 when the incoming scale changes from one step to the next. Outside scalify the function is
 the identity on values (the state is still updated, with statistics of the plain values).
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple

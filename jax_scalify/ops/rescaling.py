@@ -28,11 +28,12 @@ statistics of all operands together and changes only the representation.
 The ``_grad`` variants do the same to the cotangent in the backward pass and are the
 identity in the forward pass.
 """
+
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,10 +45,10 @@ from ..core.array import ScaledArray, is_floating_dtype, is_scaled_leaf
 from ..core.config import Pow2RoundMode, ScalifyConfig, get_scalify_config
 from ..core.interpreter import scalify
 from ..core.policy import STATIC_POLICY, active_policy, is_rescalable, was_rescaled
-from ..core.registry import ScaledPrimitiveType, register_scaled_op
 from ..core.pow2 import pow2_round, pow2_round_down
+from ..core.registry import ScaledPrimitiveType, register_scaled_op
 from ..lax.base_scaling import as_scale, mul_data
-from ..lax.primitives import get_data_scale, rebalance, scaled_rebalance
+from ..lax.primitives import scaled_rebalance
 
 Array = Any
 PyTree = Any
@@ -99,8 +100,7 @@ def _norm_fn(norm: Norm) -> NormFn:
         return norm
     if norm not in _NORMS:
         raise ValueError(
-            f"Unknown norm {norm!r} for dynamic_rescale: use 'l1', 'l2', 'max', or a callable "
-            "norm(data) -> scalar."
+            f"Unknown norm {norm!r} for dynamic_rescale: use 'l1', 'l2', 'max', or a callable norm(data) -> scalar."
         )
     return _NORMS[norm]
 
@@ -196,9 +196,7 @@ def _one_pass_statistic(data: Array, norm: str) -> Array:
     scalings = np.array([1.0, 2.0**-60, 2.0**60], np.float32).reshape((3,) + (1,) * data.ndim)
     sums = jnp.sum(jnp.power(magnitudes[None] * scalings, power), axis=tuple(range(1, data.ndim + 1))) / n
     middle, large, small = jnp.sqrt(sums) if norm == "l2" else sums
-    return jnp.where(
-        ~jnp.isfinite(middle), large * up, jnp.where(middle < np.float32(2.0**-40), small * down, middle)
-    )
+    return jnp.where(~jnp.isfinite(middle), large * up, jnp.where(middle < np.float32(2.0**-40), small * down, middle))
 
 
 def _batch_statistics(samples: list[Array], norm: Norm, work, one_pass: bool) -> Array:

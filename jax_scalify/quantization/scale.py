@@ -6,6 +6,7 @@ byte ``e`` stands for ``2**(e - 127)``, from ``2**-127`` (``0x00``) to ``2**127`
 matching dtype ``jnp.float8_e8m0fnu``, which :func:`as_e8m0` returns (view it with
 ``jax.lax.bitcast_convert_type(e, jnp.uint8)`` for the raw exponent bytes).
 """
+
 from __future__ import annotations
 
 from typing import Any

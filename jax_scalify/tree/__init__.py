@@ -4,6 +4,7 @@
 cannot do for a ``ScaledArray``, see ``docs/pytrees.md``); ``jsa.tree.device_put`` and
 ``jsa.tree.scaled_shardings`` shard the data and replicate the scales.
 """
+
 from .sharding import device_put, replicated_like, scaled_shardings
 from .tree_util import all, astype, flatten, leaves, map, map_values, structure, unflatten
 

@@ -9,6 +9,7 @@ Importing Flax takes longer than importing JAX, so ``import jax_scalify`` does n
 it: the registration runs when ``flax.serialization`` is imported (at once if it already
 was), through a finder on ``sys.meta_path`` that wraps only that module's loader.
 """
+
 from __future__ import annotations
 
 import importlib.abc

@@ -6,6 +6,7 @@ P('d')))`` fails on the scale, and ``jax.jit``'s ``in_shardings`` needs one shar
 array. :func:`scaled_shardings` expands a sharding (or a tree of them) into the matching
 tree, with a replicated sharding for every scale; :func:`device_put` places a tree with it.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -5,10 +5,12 @@ functions look inside it. The functions here treat it as a single leaf instead (
 combine the user's ``is_leaf`` with :func:`jax_scalify.is_scaled_leaf`), which is what model
 code wants when it maps over parameters or gradients.
 """
+
 from __future__ import annotations
 
 import builtins
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

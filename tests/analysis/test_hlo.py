@@ -6,6 +6,7 @@ removed): a scalified E4M3 matmul with a BF16 result as a Triton GEMM fusion and
 cuBLASLt FP8 custom call (Triton GEMMs disabled), and a BF16 x E4M3 matmul whose FP8
 operand XLA converts to BF16 before a cuBLASLt BF16 GEMM.
 """
+
 import pathlib
 
 import jax
@@ -48,7 +49,9 @@ def test_cpu_program_has_no_gpu_gemm():
     assert jsa.analysis.gemm_calls(text) == []
 
 
-@pytest.mark.parametrize("text", ["", "HloModule empty\n\nENTRY %main () -> f32[] {\n  ROOT %c = f32[] constant(1)\n}\n"])
+@pytest.mark.parametrize(
+    "text", ["", "HloModule empty\n\nENTRY %main () -> f32[] {\n  ROOT %c = f32[] constant(1)\n}\n"]
+)
 def test_module_without_gemm_gives_empty_lists(text):
     assert jsa.analysis.gemm_calls(text) == [] and jsa.analysis.fp8_upcasts(text) == []
 

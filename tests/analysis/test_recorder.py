@@ -1,4 +1,5 @@
 """jsa.analysis: recording scale statistics, the text/JSON views and the chart."""
+
 import json
 import math
 import sys

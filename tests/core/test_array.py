@@ -5,8 +5,8 @@ import pytest
 
 import jax_scalify as jsa
 from jax_scalify import ScaledArray
-from jax_scalify.core.promotion import any_scale_array
 from jax_scalify.core.array import ScaleFacts
+from jax_scalify.core.promotion import any_scale_array
 
 
 def test_properties_and_value():

@@ -4,6 +4,7 @@ As under ``eqx.filter_jit``: Python numbers, functions, dtypes, strings and ``No
 static (part of the trace's cache key), ``static_argnums``/``static_argnames`` work as in
 ``jax.jit``, and non-array outputs come back as they are.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,7 +24,7 @@ def test_context_manager_nests_and_restores():
 
 
 def test_config_is_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         jsa.ScalifyConfig().rounding_mode = jsa.Pow2RoundMode.UP
 
 

@@ -4,6 +4,7 @@ Traced on float16 data, ``x * 1e-8`` holds the literal 0 and ``x * 1e5`` the lit
 scalify recovers the values from a second trace on float32 inputs, so promotion splits the
 exact constant into a power-of-two scale and a mantissa.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np

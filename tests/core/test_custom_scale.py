@@ -1,11 +1,12 @@
 """custom_scale: the plain function outside scalify, the user's scale rule under it."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_scalify as jsa
-from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, normal
+from tests.invariance import Case, assert_close_values, assert_pow2_scales, invariance_test, normal
 
 STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 

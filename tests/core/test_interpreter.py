@@ -1,4 +1,5 @@
 """The scalify transform: tracing, composition with JAX transforms, promotion of constants."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,6 +108,7 @@ def test_scalar_constants_fold_into_the_scale():
     assert float(out.scale) == 0.125
     np.testing.assert_array_equal(out.data, X)
 
+
 @pytest.mark.parametrize("lr, expected_scale", [(1e-3, 2.0**-10), (3e-3, 2.0**-8), (0.0, 0.0), (np.inf, 1.0)])
 def test_traced_scalars_are_split_at_run_time(lr, expected_scale):
     """A learning rate known only at run time carries its magnitude into the scale."""
@@ -141,7 +143,6 @@ def test_zero_learning_rate_keeps_the_weight_scale():
     w, new_w = _first_optax_step(optax.adam(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100)))
     assert float(new_w.scale) == float(w.scale)
     np.testing.assert_array_equal(new_w.to_array(), w.to_array())
-
 
 
 def test_static_arguments_are_baked_in():
@@ -179,7 +180,12 @@ def user_step(x):
 
 @pytest.mark.parametrize(
     "wrap",
-    [jsa.scalify, lambda f: jax.jit(jsa.scalify(f)), lambda f: jsa.scalify(jax.jit(f)), lambda f: jax.jit(jsa.scalify(jax.jit(f)))],
+    [
+        jsa.scalify,
+        lambda f: jax.jit(jsa.scalify(f)),
+        lambda f: jsa.scalify(jax.jit(f)),
+        lambda f: jax.jit(jsa.scalify(jax.jit(f))),
+    ],
     ids=["eager", "jit(scalify)", "scalify(jit)", "jit(scalify(jit))"],
 )
 def test_missing_rule_error_names_the_user_line_under_jit(wrap):
@@ -216,4 +222,9 @@ def test_a_loss_gradient_seed_keeps_its_constant_factors_in_the_scale():
     assert np.mean(plain == 0) > 0.8  # plain float16: most entries flushed to zero
     got = jax.jit(jsa.scalify(jax.grad(loss)))(jsa.as_scaled_array(w), jsa.as_scaled_array(h))
     assert got.dtype == jnp.float16
-    np.testing.assert_allclose(np.asarray(got.to_array(jnp.float32)), np.asarray(expected), rtol=0.05, atol=1e-3 * float(jnp.max(jnp.abs(expected))))
+    np.testing.assert_allclose(
+        np.asarray(got.to_array(jnp.float32)),
+        np.asarray(expected),
+        rtol=0.05,
+        atol=1e-3 * float(jnp.max(jnp.abs(expected))),
+    )

@@ -1,4 +1,5 @@
 """The rescale policy of ``scalify``: where it rescales by itself, and that values never change."""
+
 from __future__ import annotations
 
 import jax
@@ -113,7 +114,9 @@ def test_gradients_are_rescaled_once_in_one_batch_after_the_backward_pass(monkey
         return ws - 0.1 * gw, x - 0.1 * gx
 
     new_ws, new_x = jsa.scalify(step, policy=jsa.RescalePolicy(loop_carries=False, outputs=False))(ws, x)
-    assert [sorted(b) for b in batches] == [sorted([W.shape, X.shape])]  # both gradients, together, before the update uses them
+    assert [sorted(b) for b in batches] == [
+        sorted([W.shape, X.shape])
+    ]  # both gradients, together, before the update uses them
     batches.clear()
     _, grads, _ = jsa.scalify(sgd_step)(ws, x)
     assert batches == [[W.shape], [(), W.shape]]  # the gradient; then the loss and new weights (grads not twice)

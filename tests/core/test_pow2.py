@@ -173,7 +173,9 @@ def test_sum_scale_shortcut_equals_the_general_formula(sa, sb):
     a = ScaledArray.unchecked(jnp.asarray([1.0, -2.0, 3.0]), jnp.float32(sa))
     b = ScaledArray.unchecked(jnp.asarray([0.5, 0.25, -1.0]), jnp.float32(sb))
     out = jax.jit(jsa.lax.scaled_add)(a, b)
-    np.testing.assert_array_equal(np.asarray(out.scale), np.asarray(_general_sum_scale(jnp.float32(sa), jnp.float32(sb))))
+    np.testing.assert_array_equal(
+        np.asarray(out.scale), np.asarray(_general_sum_scale(jnp.float32(sa), jnp.float32(sb)))
+    )
 
 
 def test_sum_of_traced_scales_emits_no_sqrt_unless_rounding_is_off():

@@ -1,4 +1,5 @@
 """Smoke test of the digits demo: a short run in FP32 and in scaled FP8."""
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,9 @@ def _result(accuracy, loss):
 
 
 def test_explain_says_when_fp8_without_scales_matches_and_when_it_falls_behind():
-    same = digits.explain({"FP32": _result(0.98, 0.05), "FP8 scalify": _result(0.98, 0.05), "FP8 plain": _result(0.975, 0.06)})
+    same = digits.explain(
+        {"FP32": _result(0.98, 0.05), "FP8 scalify": _result(0.98, 0.05), "FP8 plain": _result(0.975, 0.06)}
+    )
     assert same[0].startswith("FP8 scalify matches FP32: +0.00 accuracy points")
     assert "costs no accuracy, not that it is needed" in same[-1]
     behind = digits.explain({"FP32": _result(0.98, 0.05), "FP8 plain": _result(0.80, 0.6)})

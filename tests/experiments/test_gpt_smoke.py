@@ -6,6 +6,7 @@ the unscaled counterparts, the BF16 state) are slow-marked, to keep the default 
 Uses tiny Shakespeare (``../shared/data/tinyshakespeare.txt`` next to the repository) when
 it is there, else the source of Python's ``os`` module, so it runs on any machine.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,13 @@ STEPS = 6
 # the gradients it checks are finite).
 FAILS_WITHOUT_SCALIFY = {"fp16_state", "fp16_state_loss_scale"}
 SLOW = {
-    "fp16_master", "fp8", "bf16_state", "fp16_state_loss_scale",
-    "scalify_fp16_manual", "scalify_fp16_master_manual", "scalify_fp8_manual",
+    "fp16_master",
+    "fp8",
+    "bf16_state",
+    "fp16_state_loss_scale",
+    "scalify_fp16_manual",
+    "scalify_fp16_master_manual",
+    "scalify_fp8_manual",
 }
 
 
@@ -88,7 +94,11 @@ def test_groups_pair_the_default_policy_with_the_manual_placement():
         assert name in main and name + "_manual" in main
         assert default.policy is None and not default.precision.ln_grad_rescale  # no rescale call anywhere
         assert manual.policy == jsa.RescalePolicy.static() and manual.precision.ln_grad_rescale
-        assert (default.master, default.opt_state, default.precision.fp8) == (manual.master, manual.opt_state, manual.precision.fp8)
+        assert (default.master, default.opt_state, default.precision.fp8) == (
+            manual.master,
+            manual.opt_state,
+            manual.precision.fp8,
+        )
     assert all(set(names) <= set(CONFIGS) for names in GROUPS.values())
     assert [r.name for r in select_configs("fp32,bf16")] == ["fp32", "bf16"]
     with pytest.raises(SystemExit, match="Unknown configuration"):
@@ -113,11 +123,36 @@ def test_missing_data_file_is_a_clear_error(tmp_path):
 
 def test_cli_writes_results(tmp_path):
     """The CLI end to end on two configurations: JSON, PNG and the FP32 comparison."""
-    args = parse_args([
-        "--data", str(corpus_path()), "--max-chars", "20000", "--configs", "fp32,bf16",
-        "--steps", "3", "--batch", "2", "--seq", "16", "--width", "32", "--heads", "2", "--layers", "1",
-        "--eval-every", "2", "--eval-batches", "1", "--out", str(tmp_path), "--no-progress", "--fast-compile",
-    ])
+    args = parse_args(
+        [
+            "--data",
+            str(corpus_path()),
+            "--max-chars",
+            "20000",
+            "--configs",
+            "fp32,bf16",
+            "--steps",
+            "3",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--width",
+            "32",
+            "--heads",
+            "2",
+            "--layers",
+            "1",
+            "--eval-every",
+            "2",
+            "--eval-batches",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+            "--fast-compile",
+        ]
+    )
     results = run(args)
     assert [r["name"] for r in results] == ["fp32", "bf16"]
     assert (tmp_path / "gpt_results.json").is_file() and (tmp_path / "gpt_loss_curves.png").is_file()
@@ -136,10 +171,19 @@ def test_merge_keeps_each_configuration_once_and_checks_the_settings(tmp_path):
 
     meta = {"data": "d", "model": {"layers": 1, "width": 8, "seq": 4}, "steps": 2, "batch": 1, "num_params": 10}
     entry = lambda name, loss: {
-        "name": name, "label": name, "paper_config": "", "scalify": False, "final_train_loss": loss,
-        "final_val_loss": loss, "train_loss_curve": [loss, loss], "val_loss_curve": [[2, loss]],
+        "name": name,
+        "label": name,
+        "paper_config": "",
+        "scalify": False,
+        "final_train_loss": loss,
+        "final_val_loss": loss,
+        "train_loss_curve": [loss, loss],
+        "val_loss_curve": [[2, loss]],
     }
-    for part, results in (("a", [entry("fp32", 2.0), entry("fp16", 2.2)]), ("b", [entry("fp16", 9.0), entry("bf16", 2.4)])):
+    for part, results in (
+        ("a", [entry("fp32", 2.0), entry("fp16", 2.2)]),
+        ("b", [entry("fp16", 9.0), entry("bf16", 2.4)]),
+    ):
         (tmp_path / part).mkdir()
         (tmp_path / part / "gpt_results.json").write_text(json.dumps({"meta": meta, "results": results}))
     merged = merge_results([str(tmp_path / p / "gpt_results.json") for p in "ab"], tmp_path / "out")

@@ -1,4 +1,5 @@
 """The quickstart's closing sentences, computed from its results."""
+
 import math
 
 from experiments import quickstart

@@ -6,6 +6,7 @@ that ``eqx.filter_jit`` keeps static (a ``MaxPool2d``'s ``init=-inf``, a GRU's
 rejected a module's function leaves. In float32 the scalified step with scaled inputs gives
 the plain step's loss and model.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np

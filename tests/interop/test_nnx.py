@@ -4,6 +4,7 @@
 BatchNorm statistics and Dropout RNG streams updates the model exactly as
 ``nnx.jit(train_step)`` does (float32), with plain or scaled model and optimizer states.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +12,7 @@ import optax
 import pytest
 
 import jax_scalify as jsa
-from tests.invariance import assert_close_values, assert_pow2_scales
+from tests.invariance import assert_pow2_scales
 
 nnx = pytest.importorskip("flax.nnx")
 

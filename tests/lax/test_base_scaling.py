@@ -1,4 +1,5 @@
 """Helpers of ``jax_scalify.lax.base_scaling``: exact power-of-two multiplies of the data, stacked scales."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,4 +1,5 @@
 """Control flow under scalify: scan, while, cond/switch, checkpoint."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +8,7 @@ from jax import lax
 
 import jax_scalify as jsa
 from jax_scalify.lax import control_flow
-from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, integers, normal, positive
+from tests.invariance import Case, assert_close_values, assert_pow2_scales, integers, invariance_test, normal, positive
 from tests.invariance import primitive_names as primitives_in
 
 STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales

@@ -12,6 +12,7 @@ machine without a GPU), otherwise they skip. Each compiles twice: with XLA's def
 Triton GEMMs disabled, which covers both backends XLA's autotuner chooses from (a Triton
 GEMM fusion, a cuBLASLt ``__cublas$lt$matmul$f8`` custom call). The value test needs the GPU.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,7 +107,9 @@ def test_fp8_linear_layer_runs_its_three_matmuls_as_fp8_gemms(target, backend):
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     step = jsa.scalify(jax.value_and_grad(loss, argnums=(0, 1)))
-    hlo = compiled_hlo(target, step, scaled((256, 64), jnp.bfloat16), scaled((128, 256), jnp.bfloat16), options=BACKENDS[backend])
+    hlo = compiled_hlo(
+        target, step, scaled((256, 64), jnp.bfloat16), scaled((128, 256), jnp.bfloat16), options=BACKENDS[backend]
+    )
     calls = gemm_calls(hlo)
     assert len(calls) == 3 and all(call.is_fp8 for call in calls), calls
     assert fp8_upcasts(hlo) == []

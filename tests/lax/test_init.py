@@ -1,4 +1,5 @@
 """The ``jsa.lax`` namespace: every module's ``__all__``, every registered rule exported."""
+
 import ast
 import importlib
 import pkgutil

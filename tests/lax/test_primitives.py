@@ -1,4 +1,5 @@
 """The scaling primitives: identity outside scalify, scale operations under it."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,7 +53,9 @@ def test_set_scaling_under_scalify():
     out = jsa.scalify(set_scaling, policy=STATIC_POLICY)(jnp.asarray(X), jnp.float32(4.0))
     assert isinstance(out, jsa.ScaledArray) and float(out.scale) == 4.0
     np.testing.assert_array_equal(out.data, X / 4)
-    scaled = jsa.scalify(set_scaling, policy=STATIC_POLICY)(jsa.as_scaled_array(X, scale=np.float32(2.0)), jnp.float32(0.25))
+    scaled = jsa.scalify(set_scaling, policy=STATIC_POLICY)(
+        jsa.as_scaled_array(X, scale=np.float32(2.0)), jnp.float32(0.25)
+    )
     np.testing.assert_array_equal(scaled.to_array(), X)
 
 
@@ -101,6 +104,15 @@ def test_bad_scale_arguments(fn):
 
 
 INVARIANCE_CASES = [
-    Case("scaling_primitives", lambda x: _uses_all_primitives(x)[0], [lambda rng: rng.standard_normal(5).astype(np.float32)], grad=True),
-    Case("get_data_scale_value", lambda x: (lambda d, s: d * s)(*get_data_scale(x)), [lambda rng: rng.standard_normal(5).astype(np.float32)]),
+    Case(
+        "scaling_primitives",
+        lambda x: _uses_all_primitives(x)[0],
+        [lambda rng: rng.standard_normal(5).astype(np.float32)],
+        grad=True,
+    ),
+    Case(
+        "get_data_scale_value",
+        lambda x: (lambda d, s: d * s)(*get_data_scale(x)),
+        [lambda rng: rng.standard_normal(5).astype(np.float32)],
+    ),
 ]

@@ -1,4 +1,5 @@
 """Arithmetic rules: sums, products, selections, comparisons, casts."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,8 +8,9 @@ from jax import lax
 
 import jax_scalify as jsa
 from jax_scalify.lax import rules_arithmetic
-from tests.invariance import invariance_test, Case, assert_pow2_scales, booleans, integers, normal, positive
-from tests.invariance import exact_value as _value, scale_of as _scale
+from tests.invariance import Case, assert_pow2_scales, booleans, integers, invariance_test, normal, positive
+from tests.invariance import exact_value as _value
+from tests.invariance import scale_of as _scale
 
 STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 
@@ -41,8 +43,9 @@ INVARIANCE_CASES = [
     Case("relu", lambda x: jnp.maximum(x, 0.0), [normal(*SHAPE)], grad=True),
     Case("clamp", lambda lo, x: lax.clamp(lo, x, lo + 1.0), [normal(*SHAPE), normal(*SHAPE)], grad=True),
     Case("clamp_constants", lambda x: lax.clamp(-0.5, x, 0.5), [normal(*SHAPE)], grad=True),
-    Case("select_n", lambda x, y, c: lax.select_n(c, x, y), [normal(*SHAPE), normal(*SHAPE), booleans(*SHAPE)],
-         grad=True),
+    Case(
+        "select_n", lambda x, y, c: lax.select_n(c, x, y), [normal(*SHAPE), normal(*SHAPE), booleans(*SHAPE)], grad=True
+    ),
     Case("select_n_int", _select3, [integers(*SHAPE, high=3), normal(*SHAPE), normal(*SHAPE), normal(*SHAPE)]),
     Case("where_zero", lambda x: jnp.where(x > 0, x, 0.0), [normal(*SHAPE)]),
     Case("eq", lambda x: x == jnp.maximum(x, 0.0), [normal(*SHAPE)]),
@@ -288,4 +291,3 @@ def test_scaled_array_outside_scalify_is_rejected():
     x = jsa.ScaledArray(jnp.ones(3), jnp.float32(2.0))
     with pytest.raises(TypeError, match="scalify"):
         jnp.maximum(x, 0.0)
-

@@ -1,4 +1,5 @@
 """Host callbacks under scalify: pure_callback, io_callback, debug_callback, debug_print."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +8,7 @@ from jax.experimental import io_callback
 import jax_scalify as jsa
 from jax_scalify.extend import registered_rules
 from jax_scalify.lax import rules_callbacks
-from tests.invariance import invariance_test, Case, normal
+from tests.invariance import Case, invariance_test, normal
 
 
 def with_callbacks(x, w):

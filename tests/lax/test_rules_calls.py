@@ -1,4 +1,5 @@
 """Rules of jit, closed_call, custom_jvp_call and custom_vjp_call."""
+
 import functools
 
 import jax
@@ -7,7 +8,7 @@ import numpy as np
 
 import jax_scalify as jsa
 from jax_scalify.lax import rules_calls
-from tests.invariance import invariance_test, Case, normal
+from tests.invariance import Case, invariance_test, normal
 
 
 @jax.custom_vjp
@@ -94,7 +95,9 @@ def test_jit_body_bakes_constant_scales():
 
 
 def test_closed_call_is_emitted_by_the_case():
-    assert "closed_call" in str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(_remat_scan(x))))(np.ones((4, 3), np.float32)))
+    assert "closed_call" in str(
+        jax.make_jaxpr(jax.grad(lambda x: jnp.sum(_remat_scan(x))))(np.ones((4, 3), np.float32))
+    )
 
 
 def test_call_rules_are_exported():

@@ -1,4 +1,5 @@
 """Indexing rules: reads keep the scale, writes align operands, sort compares data."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 from jax import lax
 
 import jax_scalify as jsa
-from tests.invariance import invariance_test, Case, assert_pow2_scales, integers, normal
+from tests.invariance import Case, assert_pow2_scales, integers, invariance_test, normal
 
 STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 
@@ -103,7 +104,9 @@ def test_float16_scatter_aligns_far_apart_scales():
 
 def test_dynamic_update_slice_into_zeros_takes_update_scale():
     u = _scaled([[1.0, -2.0]], 12)
-    out = jax.jit(jsa.scalify(lambda b: lax.dynamic_update_slice(jnp.zeros((3, 2)), b, (1, 0)), policy=STATIC_POLICY))(u)
+    out = jax.jit(jsa.scalify(lambda b: lax.dynamic_update_slice(jnp.zeros((3, 2)), b, (1, 0)), policy=STATIC_POLICY))(
+        u
+    )
     assert float(out.scale) == 2.0**12
     np.testing.assert_array_equal(out.to_array(), [[0, 0], [2.0**12, -(2.0**13)], [0, 0]])
 

@@ -1,4 +1,5 @@
 """Layout rules: scale-preserving ops keep the scale, concatenate and pad align operands."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 from jax import lax
 
 import jax_scalify as jsa
-from tests.invariance import invariance_test, Case, assert_pow2_scales, normal
+from tests.invariance import Case, assert_pow2_scales, invariance_test, normal
 
 STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 
@@ -114,7 +115,9 @@ def test_split_keeps_scale():
 def test_broadcast_scalar_constant_recognised_through_layout_ops():
     """`jnp.full(..., 3.0).T.reshape(...)` is still the scalar 3 = 0.75 * 2**2 when it meets x."""
     x = jsa.as_scaled_array(np.ones((2, 3), np.float32), scale=np.float32(2.0**-10))
-    out = jsa.scalify(lambda a: jnp.concatenate([a, jnp.full((3, 2), 3.0).T[::-1, 2:].reshape(2, 1)], axis=1), policy=STATIC_POLICY)(x)
+    out = jsa.scalify(
+        lambda a: jnp.concatenate([a, jnp.full((3, 2), 3.0).T[::-1, 2:].reshape(2, 1)], axis=1), policy=STATIC_POLICY
+    )(x)
     assert float(out.scale) == 4.0
     np.testing.assert_array_equal(out.data[:, -1], [0.75, 0.75])
     np.testing.assert_array_equal(out.to_array()[:, -1], [3.0, 3.0])
@@ -132,4 +135,3 @@ def test_rules_registered_with_summaries():
     rules = {prim.name: entry for prim, entry in jsa.extend.registered_rules().items()}
     for name in ["broadcast_in_dim", "reshape", "squeeze", "transpose", "slice", "rev", "split", "concatenate", "pad"]:
         assert name in rules and rules[name].summary, name
-

@@ -1,4 +1,5 @@
 """Matmuls and convolutions under scalify: invariance, unit scaling, FP8 and float16 range."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 from jax import lax
 
 import jax_scalify as jsa
-from tests.invariance import invariance_test, Case, assert_pow2_scales, integers, normal
+from tests.invariance import Case, assert_pow2_scales, integers, invariance_test, normal
 
 STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 
@@ -27,27 +28,58 @@ INVARIANCE_CASES = [
     Case("matmul", lambda x, w: x @ w, [normal(4, 8), normal(8, 3)], grad=True),
     Case("matmul_weight_grad", lambda w, x: x @ w, [normal(8, 3), normal(4, 8)], grad=True),
     Case("matvec", lambda x, v: x @ v, [normal(5, 6), normal(6)], grad=True),
-    Case("batched_matmul", lambda a, b: jnp.einsum("bij,bjk->bik", a, b), [normal(2, 3, 4), normal(2, 4, 5)],
-         grad=True),
-    Case("einsum_two_contractions", lambda a, b: jnp.einsum("abc,bcd->ad", a, b), [normal(3, 4, 2), normal(4, 2, 5)],
-         grad=True),
-    Case("dot_general_transposed_dims", lambda a, b: lax.dot_general(a, b, (((0,), (1,)), ((2,), (0,)))),
-         [normal(4, 3, 2), normal(2, 4, 5)], grad=True),
-    Case("int8_weights", lambda x, w: jnp.matmul(x, w, preferred_element_type=jnp.float32),
-         [normal(4, 8), integers(8, 3, low=-3, high=4, dtype=np.int8)], grad=True),
+    Case(
+        "batched_matmul", lambda a, b: jnp.einsum("bij,bjk->bik", a, b), [normal(2, 3, 4), normal(2, 4, 5)], grad=True
+    ),
+    Case(
+        "einsum_two_contractions",
+        lambda a, b: jnp.einsum("abc,bcd->ad", a, b),
+        [normal(3, 4, 2), normal(4, 2, 5)],
+        grad=True,
+    ),
+    Case(
+        "dot_general_transposed_dims",
+        lambda a, b: lax.dot_general(a, b, (((0,), (1,)), ((2,), (0,)))),
+        [normal(4, 3, 2), normal(2, 4, 5)],
+        grad=True,
+    ),
+    Case(
+        "int8_weights",
+        lambda x, w: jnp.matmul(x, w, preferred_element_type=jnp.float32),
+        [normal(4, 8), integers(8, 3, low=-3, high=4, dtype=np.int8)],
+        grad=True,
+    ),
     Case("conv1d_strided", conv1d, [normal(2, 3, 9), normal(4, 3, 3)], grad=True),
     Case("conv1d_kernel_grad", lambda w, x: conv1d(x, w), [normal(4, 3, 3), normal(2, 3, 9)], grad=True),
-    Case("conv2d_dilated", lambda x, w: conv2d_nhwc(x, w, window_strides=(1, 1), padding="SAME", rhs_dilation=(2, 1)),
-         [normal(2, 6, 5, 3), normal(3, 2, 3, 4)], grad=True),
-    Case("conv2d_strided_valid", lambda x, w: conv2d_nhwc(x, w, window_strides=(2, 2), padding="VALID"),
-         [normal(1, 7, 7, 2), normal(3, 3, 2, 4)], grad=True),
+    Case(
+        "conv2d_dilated",
+        lambda x, w: conv2d_nhwc(x, w, window_strides=(1, 1), padding="SAME", rhs_dilation=(2, 1)),
+        [normal(2, 6, 5, 3), normal(3, 2, 3, 4)],
+        grad=True,
+    ),
+    Case(
+        "conv2d_strided_valid",
+        lambda x, w: conv2d_nhwc(x, w, window_strides=(2, 2), padding="VALID"),
+        [normal(1, 7, 7, 2), normal(3, 3, 2, 4)],
+        grad=True,
+    ),
     Case("conv2d_grouped", grouped_conv, [normal(2, 5, 5, 4), normal(3, 3, 2, 6)], grad=True),
-    Case("conv2d_grouped_kernel_grad", lambda w, x: grouped_conv(x, w), [normal(3, 3, 2, 6), normal(2, 5, 5, 4)],
-         grad=True),
-    Case("conv_lhs_dilated", lambda x, w: lax.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)), lhs_dilation=(2, 2)),
-         [normal(1, 2, 4, 4), normal(3, 2, 3, 3)]),
-    Case("conv_batch_group", lambda x, w: lax.conv_general_dilated(x, w, (1,), "VALID", batch_group_count=2),
-         [normal(4, 3, 6), normal(4, 3, 2)]),
+    Case(
+        "conv2d_grouped_kernel_grad",
+        lambda w, x: grouped_conv(x, w),
+        [normal(3, 3, 2, 6), normal(2, 5, 5, 4)],
+        grad=True,
+    ),
+    Case(
+        "conv_lhs_dilated",
+        lambda x, w: lax.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)), lhs_dilation=(2, 2)),
+        [normal(1, 2, 4, 4), normal(3, 2, 3, 3)],
+    ),
+    Case(
+        "conv_batch_group",
+        lambda x, w: lax.conv_general_dilated(x, w, (1,), "VALID", batch_group_count=2),
+        [normal(4, 3, 6), normal(4, 3, 2)],
+    ),
 ]
 
 

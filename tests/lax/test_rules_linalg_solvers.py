@@ -8,6 +8,7 @@ conditioned (condition number below ~20), hence rtol 1e-4 (about 20 * 2^-23 * n,
 margin) instead of the default 2e-5; gradients of eigen- and singular vectors divide by
 eigenvalue gaps and get 1e-3.
 """
+
 import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
@@ -18,8 +19,9 @@ from jax import lax
 
 import jax_scalify as jsa
 from jax_scalify.lax import rules_linalg_solvers
-from tests.invariance import invariance_test, Case, assert_pow2_scales, normal
-from tests.invariance import exact_value as _value, scaled as _scaled
+from tests.invariance import Case, assert_pow2_scales, invariance_test, normal
+from tests.invariance import exact_value as _value
+from tests.invariance import scaled as _scaled
 
 STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 
@@ -101,7 +103,14 @@ INVARIANCE_CASES = [
     Case("slogdet", lambda a: jnp.linalg.slogdet(a)[1], [general()], grad=True, rtol=1e-4, atol=1e-5),
     Case("lu", _flat(jsl.lu), [general()], grad=True, rtol=1e-4, atol=1e-5),
     Case("lu_solve", lambda a, b: jsl.lu_solve(jsl.lu_factor(a), b), [general(), normal(N, 2)], rtol=1e-4, atol=1e-5),
-    Case("solve_triangular", lambda a, b: jsl.solve_triangular(a, b, lower=True), [lower_triangular(), normal(N, 3)], grad=True, rtol=1e-4, atol=1e-5),
+    Case(
+        "solve_triangular",
+        lambda a, b: jsl.solve_triangular(a, b, lower=True),
+        [lower_triangular(), normal(N, 3)],
+        grad=True,
+        rtol=1e-4,
+        atol=1e-5,
+    ),
     Case(
         "solve_triangular_unit_transposed",
         lambda a, b: jsl.solve_triangular(a, b, lower=True, trans=1, unit_diagonal=True),
@@ -118,7 +127,13 @@ INVARIANCE_CASES = [
         atol=1e-5,
     ),
     Case("cholesky", jnp.linalg.cholesky, [spd()], grad=True, rtol=1e-4, atol=1e-5),
-    Case("cho_solve", lambda a, b: jsl.cho_solve(jsl.cho_factor(a, lower=True), b), [spd(), normal(N, 2)], rtol=1e-4, atol=1e-5),
+    Case(
+        "cho_solve",
+        lambda a, b: jsl.cho_solve(jsl.cho_factor(a, lower=True), b),
+        [spd(), normal(N, 2)],
+        rtol=1e-4,
+        atol=1e-5,
+    ),
     Case("qr", _flat(jnp.linalg.qr), [general()], grad=True, rtol=1e-4, atol=1e-5),
     Case("qr_pivoting", lambda a: jsl.qr(a, pivoting=True), [general()], rtol=1e-4, atol=1e-5),
     Case("svd", _flat(jnp.linalg.svd), [general()], grad=True, rtol=1e-3, atol=1e-4),
@@ -177,7 +192,9 @@ def test_factorisations_are_exact_on_the_scale(exponent):
     np.testing.assert_allclose(_value(w), np.linalg.eigvalsh(S.astype(np.float64)) * 2.0**exponent, rtol=1e-5)
     chol = jsa.scalify(lambda m: lax.linalg.cholesky(m, symmetrize_input=False), policy=STATIC_POLICY)(s)
     assert _scale(chol) == 2.0 ** -(-exponent // 2)  # sqrt of the scale rounded up to an even exponent
-    np.testing.assert_allclose(_value(chol), np.linalg.cholesky(S.astype(np.float64)) * 2.0 ** (exponent / 2), rtol=1e-5)
+    np.testing.assert_allclose(
+        _value(chol), np.linalg.cholesky(S.astype(np.float64)) * 2.0 ** (exponent / 2), rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("exponent", [-40, 0, 40])
@@ -198,7 +215,9 @@ def test_solves_are_exact(ea, eb):
     x = jsa.scalify(jnp.linalg.solve, policy=STATIC_POLICY)(_scaled(A, ea), _scaled(B, eb))
     assert _scale(x) == 2.0 ** (eb - ea)
     np.testing.assert_array_equal(x.data, jnp.linalg.solve(A, B))
-    t = jsa.scalify(lambda a, b: jsl.solve_triangular(a, b, lower=True), policy=STATIC_POLICY)(_scaled(L, ea), _scaled(B, eb))
+    t = jsa.scalify(lambda a, b: jsl.solve_triangular(a, b, lower=True), policy=STATIC_POLICY)(
+        _scaled(L, ea), _scaled(B, eb)
+    )
     assert _scale(t) == 2.0 ** (eb - ea)
     np.testing.assert_array_equal(t.data, jsl.solve_triangular(L, B, lower=True))
 
@@ -243,7 +262,9 @@ def test_det_and_inverse_scales():
 def test_eig_outputs_are_plain_complex():
     values, vectors = jsa.scalify(jnp.linalg.eig)(_scaled(A, -12))
     assert not isinstance(values, jsa.ScaledArray) and jnp.iscomplexobj(values)
-    np.testing.assert_allclose(np.sort_complex(np.asarray(values)), np.sort_complex(np.linalg.eigvals(A) * 2.0**-12), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.sort_complex(np.asarray(values)), np.sort_complex(np.linalg.eigvals(A) * 2.0**-12), rtol=1e-5
+    )
     assert not isinstance(vectors, jsa.ScaledArray)
 
 
@@ -253,7 +274,9 @@ def test_packed_hessenberg_and_tridiagonal_keep_reflectors_unscaled():
     assert _scale(h) == 2.0**16 and _scale(taus) == 1.0
     np.testing.assert_array_equal(np.tril(_value(h), -2), np.tril(np.asarray(h_d, np.float64), -2))
     np.testing.assert_array_equal(np.triu(_value(h), -1), np.triu(np.asarray(h_d, np.float64), -1) * 2.0**16)
-    packed, d, e, taus = jsa.scalify(lambda a: lax.linalg.tridiagonal(a, lower=False), policy=STATIC_POLICY)(_scaled(S, -16))
+    packed, d, e, taus = jsa.scalify(lambda a: lax.linalg.tridiagonal(a, lower=False), policy=STATIC_POLICY)(
+        _scaled(S, -16)
+    )
     _, d_ref, e_ref, _ = lax.linalg.tridiagonal(S, lower=False)
     assert _scale(d) == _scale(e) == 2.0**-16 and _scale(taus) == 1.0
     np.testing.assert_array_equal(_value(d), np.asarray(d_ref, np.float64) * 2.0**-16)

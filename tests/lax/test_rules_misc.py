@@ -1,4 +1,5 @@
 """name (checkpoint_name) and device_put."""
+
 import jax
 import jax.ad_checkpoint
 import jax.numpy as jnp
@@ -6,7 +7,7 @@ import numpy as np
 
 import jax_scalify as jsa
 from jax_scalify.lax import rules_misc
-from tests.invariance import invariance_test, Case, assert_pow2_scales, normal
+from tests.invariance import Case, assert_pow2_scales, invariance_test, normal
 from tests.invariance import scaled as _scaled
 
 SHAPE = (3, 4)

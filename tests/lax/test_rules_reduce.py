@@ -1,11 +1,12 @@
 """Reductions, cumulative ops and windowed reductions under scalify."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 import jax_scalify as jsa
-from tests.invariance import invariance_test, Case, assert_pow2_scales, normal, positive
+from tests.invariance import Case, assert_pow2_scales, invariance_test, normal, positive
 
 STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 
@@ -108,8 +109,10 @@ def test_float16_tiny_scales_cumsum_and_pools():
     for fn, ref in [
         (lambda x: jnp.cumsum(x, axis=1), np.cumsum(value, axis=1)),
         (max_pool, value.reshape(2, 2, 2, 2, 2, 1).max(axis=(2, 4))),
-        (lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"),
-         value.reshape(2, 2, 2, 2, 2, 1).sum(axis=(2, 4))),
+        (
+            lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"),
+            value.reshape(2, 2, 2, 2, 2, 1).sum(axis=(2, 4)),
+        ),
     ]:
         out = jsa.scalify(fn)(xs)
         assert out.dtype == jnp.float16

@@ -1,4 +1,5 @@
 """sharding_constraint under scalify: the data constrained, a traced scale replicated."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +8,7 @@ from jax import lax
 import jax_scalify as jsa
 from jax_scalify.extend import registered_rules
 from jax_scalify.lax import rules_sharding
-from tests.invariance import invariance_test, Case, normal
+from tests.invariance import Case, invariance_test, normal
 
 _ONE_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 

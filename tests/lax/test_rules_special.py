@@ -1,4 +1,5 @@
 """Special functions, random sampling, bitcast and the generic reduce."""
+
 import jax
 import jax.numpy as jnp
 import jax.scipy.special as jss
@@ -8,8 +9,10 @@ from jax import lax
 import jax_scalify as jsa
 from jax_scalify.core import ScaledPrimitiveType, find_registered_scaled_op
 from jax_scalify.lax import rules_special
-from tests.invariance import invariance_test, Case, assert_pow2_scales, normal, positive
-from tests.invariance import exact_value as _value, scale_of as _scale, scaled as _scaled
+from tests.invariance import Case, assert_pow2_scales, invariance_test, normal, positive
+from tests.invariance import exact_value as _value
+from tests.invariance import scale_of as _scale
+from tests.invariance import scaled as _scaled
 
 STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 
@@ -61,11 +64,19 @@ INVARIANCE_CASES = [
     Case("igamma", jss.gammainc, [positive(*SHAPE, low=0.5), positive(*SHAPE)], grad=True),
     Case("igammac", jss.gammaincc, [positive(*SHAPE, low=0.5), positive(*SHAPE)]),
     Case("polygamma", lambda x: jss.polygamma(1, x), [positive(*SHAPE, low=0.5)], grad=True),
-    Case("polygamma_scaled_order", lax.polygamma, [lambda rng: np.full(SHAPE, 2.0, np.float32), positive(*SHAPE, low=0.5)]),
+    Case(
+        "polygamma_scaled_order",
+        lax.polygamma,
+        [lambda rng: np.full(SHAPE, 2.0, np.float32), positive(*SHAPE, low=0.5)],
+    ),
     # zeta's gradient is not checked: jnp.cumprod in its JVP is not invariant (see the report).
     Case("zeta", lambda q: jss.zeta(3.0, q), [positive(*SHAPE, low=0.5)]),
     # No gradient: JAX only differentiates betainc w.r.t. x, with elementary ops covered elsewhere.
-    Case("regularized_incomplete_beta", lambda x, a, b: jss.betainc(a, b, x), [uniform(0.05, 0.95, *SHAPE), positive(*SHAPE, low=0.5), positive(*SHAPE, low=0.5)]),
+    Case(
+        "regularized_incomplete_beta",
+        lambda x, a, b: jss.betainc(a, b, x),
+        [uniform(0.05, 0.95, *SHAPE), positive(*SHAPE, low=0.5), positive(*SHAPE, low=0.5)],
+    ),
     # No gradient: it is a while loop of elementary operations (13 s for 6 examples), and the
     # sample itself is bound on the value, so it is bitwise the plain one.
     Case("random_gamma", _gamma, [positive(*SHAPE, low=0.5)]),
@@ -89,7 +100,10 @@ test_invariance = invariance_test(INVARIANCE_CASES, max_examples=6)
 # --- special functions -----------------------------------------------------------------------
 def test_special_functions_have_unit_scale_and_compute_on_values():
     rng = np.random.default_rng(3)
-    a, x = _scaled(rng.uniform(1, 2, SHAPE), 1), _scaled(rng.uniform(1, 2, SHAPE), -1)  # shapes of the cases: compiled once
+    a, x = (
+        _scaled(rng.uniform(1, 2, SHAPE), 1),
+        _scaled(rng.uniform(1, 2, SHAPE), -1),
+    )  # shapes of the cases: compiled once
     for fn in (jss.gammainc, jss.gammaincc):
         out = jsa.scalify(fn, policy=STATIC_POLICY)(a, x)
         assert isinstance(out, jsa.ScaledArray) and _scale(out) == 1.0
@@ -114,7 +128,9 @@ def test_narrow_data_is_computed_in_float32():
     x = _scaled([1.0, 1.5], 14, jnp.float16)
     out = jsa.scalify(jss.gammaincc)(a, x)
     assert out.dtype == jnp.float16
-    np.testing.assert_allclose(_value(out), jss.gammaincc(_value(a).astype(np.float32), _value(x).astype(np.float32)), rtol=2e-3, atol=1e-6)
+    np.testing.assert_allclose(
+        _value(out), jss.gammaincc(_value(a).astype(np.float32), _value(x).astype(np.float32)), rtol=2e-3, atol=1e-6
+    )
 
 
 # --- random sampling -------------------------------------------------------------------------

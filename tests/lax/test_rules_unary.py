@@ -1,4 +1,5 @@
 """Unary rules: sign changes, powers and roots, log, and the maps computed on values."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,8 +8,9 @@ from jax import lax
 
 import jax_scalify as jsa
 from jax_scalify.lax import rules_unary
-from tests.invariance import invariance_test, Case, assert_pow2_scales, normal, positive
-from tests.invariance import exact_value as _value, scale_of as _scale
+from tests.invariance import Case, assert_pow2_scales, invariance_test, normal, positive
+from tests.invariance import exact_value as _value
+from tests.invariance import scale_of as _scale
 
 STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 

@@ -2,6 +2,7 @@
 
 ``tests/conftest.py`` gives the test session eight host devices.
 """
+
 import functools
 
 import jax
@@ -12,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_scalify as jsa
-from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, normal
+from tests.invariance import Case, assert_close_values, assert_pow2_scales, invariance_test, normal
 
 STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 
@@ -306,7 +307,9 @@ def test_reshard_rule_keeps_the_scale_and_moves_the_data():
         x = jsa.device_put(scaled(np.arange(16.0).reshape(8, 2), 2.0**-4), NamedSharding(EXPLICIT, P("d")))
         rule = jsa.scalify(lambda v: jax.sharding.reshard(v, P(None, None)), policy=jsa.RescalePolicy.static())
         out = jax.jit(rule)(x)
-        jaxpr = jax.make_jaxpr(jsa.scalify(lambda v: jax.sharding.reshard(v, P()), policy=jsa.RescalePolicy.static()))(x)
+        jaxpr = jax.make_jaxpr(jsa.scalify(lambda v: jax.sharding.reshard(v, P()), policy=jsa.RescalePolicy.static()))(
+            x
+        )
     assert out.data.sharding.spec == P(None, None) and float(out.scale) == 2.0**-4
     np.testing.assert_array_equal(out.to_array(), np.arange(16.0).reshape(8, 2))
     assert [e.primitive.name for e in jaxpr.eqns] == ["reshard"]  # the data only: the scale is not moved
@@ -316,12 +319,15 @@ def test_reshard_rule_keeps_the_scale_and_moves_the_data():
 def test_plain_device_put_of_a_scaled_tree_fails_and_jsa_device_put_works():
     tree = jsa.as_scaled_array({"w": np.ones((16, 4), np.float32), "b": np.ones((8,), np.float32)})
     sharding = NamedSharding(MESH, P("x"))
-    with pytest.raises(Exception):  # JAX applies P('x') to the 0-d scales too
+    with pytest.raises(ValueError):  # JAX applies P("x") to the 0-d scales too
         jax.device_put(tree, sharding)
     placed = jsa.device_put(tree, sharding)
     for leaf in placed.values():
         assert leaf.data.sharding.spec == P("x") and leaf.scale.sharding.spec == P()
-        assert len(leaf.data.addressable_shards) == N and leaf.data.addressable_shards[0].data.shape[0] == leaf.shape[0] // N
+        assert (
+            len(leaf.data.addressable_shards) == N
+            and leaf.data.addressable_shards[0].data.shape[0] == leaf.shape[0] // N
+        )
 
 
 def test_scaled_shardings_for_jit_in_and_out_shardings():
@@ -330,7 +336,9 @@ def test_scaled_shardings_for_jit_in_and_out_shardings():
     shardings = jsa.scaled_shardings(tree, specs)
     assert shardings["w"].data.spec == P("x") and shardings["w"].scale.spec == P() and shardings["step"].spec == P()
     step = jax.jit(
-        jsa.scalify(lambda t: {"w": t["w"] * 3.0, "step": t["step"] + 1}), in_shardings=(shardings,), out_shardings=shardings
+        jsa.scalify(lambda t: {"w": t["w"] * 3.0, "step": t["step"] + 1}),
+        in_shardings=(shardings,),
+        out_shardings=shardings,
     )
     out = step(jsa.device_put(tree, specs))
     assert out["w"].data.sharding.spec == P("x") and out["w"].scale.sharding.spec == P()
@@ -376,7 +384,9 @@ def _fsdp_adam_all_reduces(layers: int) -> int:
 
     mesh = jax.make_mesh((N,), ("x",), axis_types=(AxisType.Auto,))
     rng = np.random.default_rng(0)
-    params = [{"w": rng.normal(size=(32, 32)).astype(np.float32) / 6, "b": np.zeros(32, np.float32)} for _ in range(layers)]
+    params = [
+        {"w": rng.normal(size=(32, 32)).astype(np.float32) / 6, "b": np.zeros(32, np.float32)} for _ in range(layers)
+    ]
     specs = [{"w": P("x", None), "b": P()} for _ in range(layers)]
 
     def loss(p, x):

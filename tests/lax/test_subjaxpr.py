@@ -1,5 +1,6 @@
 """Sub-jaxpr evaluation and the fixed point of which outputs are scaled (shared by the call,
 control-flow and shard_map rules)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,4 +1,5 @@
 """Helpers shared by the training tests of ``tests/nn``."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,4 +1,5 @@
 """jsa.nn activations: the jax.nn function outside scalify, their scale rules under it."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 
 import jax_scalify as jsa
 from jax_scalify import nn
-from tests.invariance import invariance_test, Case, assert_close_values, assert_pow2_scales, normal
+from tests.invariance import Case, assert_close_values, assert_pow2_scales, invariance_test, normal
 
 STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 
@@ -120,8 +121,12 @@ def test_log_softmax_and_logsumexp_scale_is_max_of_input_scale_and_one(exponent,
 REFERENCES_F64 = {
     "gelu": lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v**3))),
     "silu": lambda v: v / (1 + np.exp(-v)),
-    "softmax": lambda v: np.exp(v - v.max(-1, keepdims=True)) / np.exp(v - v.max(-1, keepdims=True)).sum(-1, keepdims=True),
-    "log_softmax": lambda v: v - v.max(-1, keepdims=True) - np.log(np.exp(v - v.max(-1, keepdims=True)).sum(-1, keepdims=True)),
+    "softmax": lambda v: (
+        np.exp(v - v.max(-1, keepdims=True)) / np.exp(v - v.max(-1, keepdims=True)).sum(-1, keepdims=True)
+    ),
+    "log_softmax": lambda v: (
+        v - v.max(-1, keepdims=True) - np.log(np.exp(v - v.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    ),
     "logsumexp": lambda v: v.max() + np.log(np.exp(v - v.max()).sum()),
 }
 
@@ -153,7 +158,9 @@ def test_grad_inside_scalify_in_float16():
     value, grad = jsa.scalify(fn)(scaled(X * 2.0**-20, -20, np.float16))
     expected_value, expected_grad = fn(jnp.asarray(X * 2.0**-20))
     assert_close_values(value, expected_value, rtol=2e-3, atol=1e-3)
-    np.testing.assert_allclose(grad.to_array(np.float32), expected_grad, rtol=5e-3, atol=5e-3 * np.max(np.abs(expected_grad)))
+    np.testing.assert_allclose(
+        grad.to_array(np.float32), expected_grad, rtol=5e-3, atol=5e-3 * np.max(np.abs(expected_grad))
+    )
 
 
 # --- errors ----------------------------------------------------------------------------------

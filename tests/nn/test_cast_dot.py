@@ -1,4 +1,5 @@
 """jsa.nn.dot_general / cast_dot_general: lax.dot_general with FP8 E4M3 operands and E5M2 gradients."""
+
 import functools
 
 import jax

@@ -6,6 +6,7 @@ gradients are dynamically rescaled as the paper does: without it the static rule
 overestimate the gradients' scales, the parameters' scales follow through the update's
 ``add`` rule, and in FP16 the parameters' data underflow to 0 within a few steps.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,4 +1,5 @@
 """jsa.nn.linear: x @ w + b with FP8 E4M3 forward and E5M2 backward formats."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 
 import jax_scalify as jsa
 from jax_scalify import nn
-from tests.invariance import invariance_test, Case, assert_pow2_scales, normal
+from tests.invariance import Case, assert_pow2_scales, invariance_test, normal
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FP8 = {"fwd_dtype": E4M3, "bwd_dtype": E5M2}

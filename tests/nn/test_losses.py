@@ -1,4 +1,5 @@
 """jsa.nn.cross_entropy: optax's integer-label cross-entropy outside scalify, exact loss split under it."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 
 import jax_scalify as jsa
 from jax_scalify import nn
-from tests.invariance import invariance_test, Case, integers, normal
+from tests.invariance import Case, integers, invariance_test, normal
 
 INVARIANCE_CASES = [
     Case("nn_cross_entropy", nn.cross_entropy, [normal(4, 6), integers(4, high=6)], grad=True),
@@ -50,7 +51,9 @@ def test_grad_inside_scalify_in_float16():
     loss, grad = jsa.scalify(jax.value_and_grad(nn.cross_entropy))(logits, LABELS)
     expected_loss, expected_grad = jax.value_and_grad(reference)(jnp.asarray(LOGITS), LABELS)
     np.testing.assert_allclose(loss.to_array(np.float32), expected_loss, rtol=2e-3)
-    np.testing.assert_allclose(grad.to_array(np.float32), expected_grad, rtol=1e-2, atol=2e-3 * np.max(np.abs(expected_grad)))
+    np.testing.assert_allclose(
+        grad.to_array(np.float32), expected_grad, rtol=1e-2, atol=2e-3 * np.max(np.abs(expected_grad))
+    )
 
 
 def test_bad_labels_raise():

@@ -1,4 +1,5 @@
 """jsa.nn normalisation: plain LayerNorm/RMSNorm outside scalify, unit-RMS data under it."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 
 import jax_scalify as jsa
 from jax_scalify import nn
-from tests.invariance import invariance_test, Case, assert_pow2_scales, normal
+from tests.invariance import Case, assert_pow2_scales, invariance_test, normal
 
 STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 
@@ -14,7 +15,12 @@ INVARIANCE_CASES = [
     # Weighted so that the gradient of the sum is not identically zero.
     Case("nn_layer_norm", lambda x, w: nn.layer_norm(x) * w, [normal(4, 6), normal(4, 6)], grad=True),
     Case("nn_layer_norm_affine", nn.layer_norm, [normal(4, 6), normal(6), normal(6)], grad=True),
-    Case("nn_layer_norm_axes", lambda x, g: nn.layer_norm(x, g, axis=(0, 2)), [normal(2, 3, 4), normal(2, 1, 4)], grad=True),
+    Case(
+        "nn_layer_norm_axes",
+        lambda x, g: nn.layer_norm(x, g, axis=(0, 2)),
+        [normal(2, 3, 4), normal(2, 1, 4)],
+        grad=True,
+    ),
     Case("nn_rms_norm", nn.rms_norm, [normal(4, 6), normal(6)], grad=True),
     Case("nn_layer_norm_grad_rescale", nn.layer_norm_grad_rescale, [normal(4, 6), normal(6), normal(6)], grad=True),
 ]
@@ -40,9 +46,14 @@ test_invariance = invariance_test(INVARIANCE_CASES, max_examples=2)
 def test_layer_norm_equals_jax_nn_standardize():
     expected = jax.nn.standardize(X, algorithm="stable") * GAIN + BIAS
     np.testing.assert_allclose(nn.layer_norm(X, GAIN, BIAS), expected, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(jax.jit(nn.layer_norm)(X), jax.nn.standardize(X, algorithm="stable"), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(
-        nn.layer_norm(X, axis=0, eps=1e-3), jax.nn.standardize(X, axis=0, epsilon=1e-3, algorithm="stable"), rtol=1e-5, atol=1e-6
+        jax.jit(nn.layer_norm)(X), jax.nn.standardize(X, algorithm="stable"), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        nn.layer_norm(X, axis=0, eps=1e-3),
+        jax.nn.standardize(X, axis=0, epsilon=1e-3, algorithm="stable"),
+        rtol=1e-5,
+        atol=1e-6,
     )
     weights = RNG.standard_normal(X.shape).astype(np.float32)
     grad = jax.grad(lambda x: jnp.sum(nn.layer_norm(x, GAIN, BIAS) * weights))(X)
@@ -120,7 +131,9 @@ def test_layer_norm_grad_rescale_rescales_the_input_gradient():
     x = scaled(X * 2.0**-12, -12, np.float16)
 
     def grad_of(layer):
-        return jsa.scalify(jax.grad(lambda a: jnp.sum((layer(a, GAIN) * X).astype(jnp.float32))), policy=STATIC_POLICY)(x)
+        return jsa.scalify(jax.grad(lambda a: jnp.sum((layer(a, GAIN) * X).astype(jnp.float32))), policy=STATIC_POLICY)(
+            x
+        )
 
     plain, rescaled = grad_of(nn.layer_norm), grad_of(nn.layer_norm_grad_rescale)
     expected = plain.to_array(np.float32)

@@ -14,6 +14,7 @@ The recipe (what a user does to train with any Optax optimizer in scaled FP16):
 - Adam's ``eps`` must be representable in FP16: the function is traced on FP16 data, so
   the literal ``1e-8`` becomes 0 (as in plain FP16) and moments flushed to 0 give 0/0.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -44,7 +44,9 @@ def test_cast_on_backward_casts_the_cotangent():
     converts = [p["new_dtype"] for name, p in eqns if name == "convert_element_type"]
     assert E5M2 in converts
     # The backward matmuls consume the E5M2 cotangent.
-    assert any(name == "dot_general" for name, _ in eqns[eqns.index(next(e for e in eqns if e[0] == "convert_element_type")) :])
+    assert any(
+        name == "dot_general" for name, _ in eqns[eqns.index(next(e for e in eqns if e[0] == "convert_element_type")) :]
+    )
     gw, gx = jax.grad(loss, argnums=(0, 1))(w, X[None])
     ct = float(jnp.asarray(1.3, jnp.float32).astype(E5M2).astype(jnp.float32))  # 1.25
     np.testing.assert_allclose(gx, np.full((1, 4), 3 * 1.1 * ct, np.float32), rtol=1e-6)

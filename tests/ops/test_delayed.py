@@ -1,4 +1,5 @@
 """Delayed rescaling: the previous step's statistic sets this step's scale."""
+
 import functools
 
 import jax

@@ -10,7 +10,11 @@ from tests.invariance import assert_pow2_scales
 STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 
 RESCALES = {"l1": ops.dynamic_rescale_l1, "l2": ops.dynamic_rescale_l2, "max": ops.dynamic_rescale_max}
-GRAD_RESCALES = {"l1": ops.dynamic_rescale_l1_grad, "l2": ops.dynamic_rescale_l2_grad, "max": ops.dynamic_rescale_max_grad}
+GRAD_RESCALES = {
+    "l1": ops.dynamic_rescale_l1_grad,
+    "l2": ops.dynamic_rescale_l2_grad,
+    "max": ops.dynamic_rescale_max_grad,
+}
 STATS = {
     "l1": lambda d: np.mean(np.abs(d)),
     "l2": lambda d: np.sqrt(np.mean(np.square(d))),
@@ -47,7 +51,9 @@ def test_rescales_data_under_scalify(norm):
 
 def test_rounding_mode_up():
     x = _x()
-    out = jsa.scalify(lambda a: ops.dynamic_rescale_l2(a, rounding_mode=jsa.Pow2RoundMode.UP), policy=STATIC_POLICY)(jsa.as_scaled_array(x))
+    out = jsa.scalify(lambda a: ops.dynamic_rescale_l2(a, rounding_mode=jsa.Pow2RoundMode.UP), policy=STATIC_POLICY)(
+        jsa.as_scaled_array(x)
+    )
     assert 0.5 < STATS["l2"](np.asarray(out.data)) <= 1.0
     with jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.UP):
         out = jsa.scalify(ops.dynamic_rescale_max, policy=STATIC_POLICY)(jsa.as_scaled_array(x))
@@ -56,7 +62,9 @@ def test_rounding_mode_up():
 
 def test_custom_norm_callable_and_unknown_norm():
     x = _x()
-    out = jsa.scalify(lambda a: ops.dynamic_rescale(a, norm=lambda d: jnp.float32(8.0)), policy=STATIC_POLICY)(jsa.ScaledArray(x, jnp.float32(1.0)))
+    out = jsa.scalify(lambda a: ops.dynamic_rescale(a, norm=lambda d: jnp.float32(8.0)), policy=STATIC_POLICY)(
+        jsa.ScaledArray(x, jnp.float32(1.0))
+    )
     assert float(out.scale) == 8.0
     np.testing.assert_allclose(np.asarray(out.data), np.asarray(x) / 8)
     with pytest.raises(ValueError, match="'l1', 'l2', 'max'"):

@@ -3,6 +3,7 @@
 The training step is the NNX idiom: ``nnx.value_and_grad`` over the model, then
 ``optimizer.update(model, grads)`` in place; it returns only the loss.
 """
+
 from __future__ import annotations
 
 import functools
@@ -12,7 +13,6 @@ import optax
 from flax import nnx
 
 from . import data, recipe
-
 from .harness import Program
 
 BATCH = 64

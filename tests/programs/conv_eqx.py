@@ -3,6 +3,7 @@
 Models are applied per example and ``jax.vmap``-ed over the batch, as Equinox users do;
 parameters and the rest of the model are split with ``eqx.partition`` / ``eqx.combine``.
 """
+
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,5 @@
 """Small bundled data sets: scikit-learn's 8x8 digits and character windows of tiny Shakespeare."""
+
 from __future__ import annotations
 
 import functools
@@ -11,7 +12,7 @@ from .harness import shared_data_file
 SHAKESPEARE = "tinyshakespeare.txt"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def digits() -> tuple[np.ndarray, np.ndarray]:
     """The 1,797 digits: images ``(N, 8, 8)`` in ``[0, 1]`` (float32) and labels (int32)."""
     from sklearn.datasets import load_digits
@@ -28,7 +29,7 @@ def digit_batches(seed: int, count: int, batch: int) -> list[tuple[np.ndarray, n
     return [(images[idx], labels[idx]) for idx in picks]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def shakespeare() -> tuple[np.ndarray, int]:
     """Tiny Shakespeare as int32 character ids, and the vocabulary size; skips if the file is absent."""
     path = shared_data_file(SHAKESPEARE)

@@ -5,9 +5,11 @@ point and the log noise level (Gaussian Fourier features) and predicts the score
 loss is the usual ``sigma**2``-weighted denoising score-matching loss, with the noise
 drawn inside the training step from a PRNG key passed with the batch.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax

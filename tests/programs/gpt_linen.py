@@ -4,10 +4,12 @@ Trained on windows of tiny Shakespeare with a ``flax.training.train_state.TrainS
 Every dense layer is an ``nn.Dense`` taking the model's ``dot_general`` (``lax.dot_general``
 unless the FP8 run passes another).
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax

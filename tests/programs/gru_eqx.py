@@ -2,6 +2,7 @@
 
 The task: tell clockwise from anticlockwise arcs of noisy spirals (2-D points, 16 time steps).
 """
+
 from __future__ import annotations
 
 import equinox as eqx

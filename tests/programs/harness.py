@@ -12,12 +12,14 @@ uses, how the training loop calls the step, and its batches. The harness then
   under scalify, in plain FP16 (the same code on float16 state and inputs) and, for
   programs with dense layers, with FP8 matmuls under scalify.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +84,7 @@ def functional_call(compiled: Callable, state: tuple, batch: Batch) -> tuple[Any
 
 
 # --- compiled steps, shared between tests ------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _setup(program: Program, mode: str) -> tuple[optax.GradientTransformation, Callable]:
     """The optimizer and the compiled step of ``program`` in ``mode`` (compiled once per session)."""
     tx = program.make_optimizer()
@@ -93,7 +95,7 @@ def _setup(program: Program, mode: str) -> tuple[optax.GradientTransformation, C
     return tx, (recipe.compile_step(step, program.jit) if scalified else program.jit(step))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _scalified_float32(program: Program) -> tuple[optax.GradientTransformation, Callable]:
     """The plain optimizer and the float32 step under scalify, for the invariance check."""
     tx = program.make_optimizer()

@@ -1,4 +1,5 @@
 """A plain-JAX MLP on the digits: parameters in a list of dicts, ``jax.value_and_grad``, an optax chain."""
+
 from __future__ import annotations
 
 import functools
@@ -20,7 +21,9 @@ def init_params(key, sizes=SIZES):
     params = []
     for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
         key, wkey = jax.random.split(key)
-        params.append({"w": jax.random.normal(wkey, (fan_in, fan_out)) * jnp.sqrt(2.0 / fan_in), "b": jnp.zeros(fan_out)})
+        params.append(
+            {"w": jax.random.normal(wkey, (fan_in, fan_out)) * jnp.sqrt(2.0 / fan_in), "b": jnp.zeros(fan_out)}
+        )
     return params
 
 

@@ -10,9 +10,11 @@ parameters becomes a ``ScaledArray`` with float16 data (``jsa.as_scaled_array`` 
 ``jsa.tree.astype``), so do the floating inputs of each batch, and the step runs as
 ``jit(jsa.scalify(step))`` with scalify's default rescale policy.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +47,7 @@ def scale_state(state: Any, dtype=FP16) -> Any:
 
     ``ScaledArray`` leaves (already scaled) and non-floating leaves are returned unchanged.
     """
-    return jax.tree.map(
-        lambda x: _scaled(x, dtype) if is_floating_array(x) else x, state, is_leaf=jsa.is_scaled_leaf
-    )
+    return jax.tree.map(lambda x: _scaled(x, dtype) if is_floating_array(x) else x, state, is_leaf=jsa.is_scaled_leaf)
 
 
 def scale_batch(batch: Any, dtype=FP16) -> Any:

@@ -16,6 +16,7 @@ The invariance checks of all six programs and the short FP16 runs of two (``DEFA
 part of the default test run; the other short FP16 runs, the FP8 runs and the long FP16 runs
 are marked ``slow`` (run them with ``-m slow``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,7 +24,7 @@ import functools
 import numpy as np
 import pytest
 
-from . import conv_eqx, cnn_nnx, diffusion_linen, gpt_linen, gru_eqx, mlp_jax
+from . import cnn_nnx, conv_eqx, diffusion_linen, gpt_linen, gru_eqx, mlp_jax
 from .harness import Program, final_loss, invariance_errors, relative_gap, train
 
 PROGRAMS = [m.PROGRAM for m in (gpt_linen, cnn_nnx, gru_eqx, conv_eqx, diffusion_linen, mlp_jax)]
@@ -35,7 +36,7 @@ FP8_TOLERANCE = 0.10
 by_name = functools.partial(pytest.mark.parametrize, "program", ids=lambda p: p.name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def losses(program: Program, mode: str, steps: int) -> np.ndarray:
     """Training losses, computed once per session (the FP16 and FP8 tests share the FP32 run)."""
     return train(program, mode, steps)

@@ -6,6 +6,7 @@ operands without turning ``0 / 0`` into nan. This runs every
 invariance case of the test suite on all-zero floating inputs with scale 0 and compares with
 the plain function on zeros (nan where the plain function gives nan, e.g. ``0 / 0``).
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np

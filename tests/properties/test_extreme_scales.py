@@ -9,6 +9,7 @@ plain function in float64) wherever those are finite float32 numbers. (The plain
 float32 is no reference at these scales: its intermediate products overflow or flush to zero
 where the scalified program, which keeps magnitudes in the scales, computes the exact value.)
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -20,6 +20,7 @@ and the clipped Adam step divides by a global norm summed over every gradient: t
 worst element seen was 1.4e-5 and 5e-6, so they use ``rtol=1e-4``. A wrong scale anywhere
 is an error of at least 50%.
 """
+
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,5 @@
 """Whole programs under scalify: invariance in float32, range robustness in float16."""
+
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp

@@ -4,15 +4,16 @@ Each program is plain JAX. Under ``RescalePolicy.static()`` its scales drift awa
 values (reproduced here, so the tests show what the policy fixes); under the default policy
 the data stay near unit size and the results equal the plain program's.
 """
+
 from __future__ import annotations
 
 import functools
 
 import jax
-import pytest
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jax_scalify as jsa
 from experiments import rescale_policy as cnn

@@ -4,6 +4,7 @@ Test modules that add rules define ``INVARIANCE_CASES`` (see ``tests/invariance.
 run them with the invariance property. This test gathers all those cases, traces them, and
 checks that together they reach every primitive in the registry.
 """
+
 import importlib
 import pkgutil
 

@@ -28,6 +28,7 @@ answer is dynamic rescaling where statistics drift, which is the identity on val
   debug prints) with |k| <= 2: output scales up to 2**28 over 40 random draws and 2**74 at
   the worst corner (k = +2 on every input); with k = +3 on every input it fails.
 """
+
 import functools
 import re
 

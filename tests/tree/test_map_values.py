@@ -1,4 +1,5 @@
 """jsa.tree.map_values: mapping functions over the values of a tree holding ScaledArrays."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np

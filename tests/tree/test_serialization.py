@@ -1,4 +1,5 @@
 """Flax serialization of states holding ScaledArray, registered without importing Flax eagerly."""
+
 import os
 import subprocess
 import sys
@@ -57,7 +58,10 @@ def test_registration_when_flax_was_imported_first():
 def test_orbax_checkpoint_round_trip_as_in_the_docs(tmp_path):
     """docs/pytrees.md's Orbax example: a ScaledArray is saved as its two arrays."""
     ocp = pytest.importorskip("orbax.checkpoint")
-    state = {"params": jsa.as_scaled_array({"w": jnp.array([[1.0, 2.0], [3e-6, -4.0]], jnp.float16)}), "step": jnp.int32(3)}
+    state = {
+        "params": jsa.as_scaled_array({"w": jnp.array([[1.0, 2.0], [3e-6, -4.0]], jnp.float16)}),
+        "step": jnp.int32(3),
+    }
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(tmp_path / "step_3", state)
     checkpointer.wait_until_finished()
