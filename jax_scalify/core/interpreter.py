@@ -409,7 +409,8 @@ def _eval_equation(eqn: JaxprEqn, invals: list, in_scalars: list) -> tuple[list,
     if entry.unpromoted_inputs:
         inputs = list(invals)
     else:
-        inputs = [_promote_if_floating(x, s) for x, s in zip(invals, in_scalars)]
+        backward = _rescales_backward_entries(eqn)
+        inputs = [_promote_if_floating(x, s, backward) for x, s in zip(invals, in_scalars)]
     outs = entry.rule(*inputs, **eqn.params)
     outs = list(outs) if prim.multiple_results else [outs]
     _check_rule_outputs(eqn, outs)
@@ -436,11 +437,11 @@ def _bind(eqn: JaxprEqn, invals: list) -> list:
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
-def _promote_if_floating(x, scalar):
+def _promote_if_floating(x, scalar, backward: bool = False):
     if isinstance(x, ScaledArray) or not hasattr(x, "dtype") or not is_floating_dtype(x.dtype):
         return x
     promoted = promote(x, scalar)
-    if scalar is None and np.ndim(x) > 0 and _rescales_backward_entries():
+    if scalar is None and np.ndim(x) > 0 and backward:
         # A plain array entering the scaled backward pass derives from the loss's cotangent
         # (jax.grad's seed times the loss's constants and plain inputs such as one-hot
         # labels): its data is not unit-sized, so its statistic goes into the scale.
@@ -448,8 +449,11 @@ def _promote_if_floating(x, scalar):
     return promoted
 
 
-def _rescales_backward_entries() -> bool:
-    return rescale_policy.active_policy().gradients and rescale_policy.in_backward_pass()
+def _rescales_backward_entries(eqn: JaxprEqn) -> bool:
+    """Whether the policy rescales plain operands promoted by this (backward) equation."""
+    if not rescale_policy.active_policy().gradients:
+        return False
+    return rescale_policy.is_backward_equation(eqn) or rescale_policy.in_backward_pass()
 
 
 def eval_closed_jaxpr(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:

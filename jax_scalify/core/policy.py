@@ -51,7 +51,10 @@ class RescalePolicy:
             ``jax.grad``/``jax.vjp`` do) that leaves it, i.e. is used by a forward equation
             (e.g. the optimizer update) or returned. One rescale per gradient tensor, all
             of them together once the backward pass is done (before the first forward use
-            of any); the backward pass itself stays static.
+            of any). Inside the backward pass, a plain array that meets scaled data (the
+            loss's cotangent times plain inputs such as one-hot labels: ``1 / N`` sits in
+            its values) is promoted with its statistic as scale instead of scale 1; the
+            rest of the backward pass is static.
         loop_carries: rescale the scaled carries of ``scan`` and ``while`` bodies at every
             iteration (this includes the transposed scans of a backward pass).
         outputs: rescale the floating scaled outputs of the scalified function (the state
