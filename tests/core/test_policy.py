@@ -161,3 +161,28 @@ def test_float32_invariance_holds_under_every_policy(policy):
     expected = jax.jit(sgd_step)(W, X)
     for g, e in zip(got, expected):
         np.testing.assert_allclose(exact_value(g), e, rtol=1e-5, atol=1e-7)
+
+
+def test_a_plain_cotangent_entering_the_backward_pass_is_promoted_with_its_statistic():
+    """Cross-entropy with one-hot labels: the mean's 1/1024 enters the backward pass in a plain array.
+
+    The default policy promotes it with its statistic as scale, so the weight gradient's
+    data is unit-sized inside the backward pass; the static policy keeps it at scale 1.
+    """
+    rng = np.random.default_rng(0)
+    w = jsa.as_scaled_array(jnp.asarray(rng.normal(size=(64, 32)) / 8, jnp.float16))
+    x = jsa.as_scaled_array(jnp.asarray(rng.normal(size=(1024, 64)), jnp.float16))
+    labels = jnp.asarray(rng.integers(0, 32, 1024))
+
+    def loss(w, x, labels):
+        logits = (x @ w).astype(jnp.float32)
+        return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(labels, 32), -1))
+
+    def weight_gradient_data(policy):
+        with jsa.analysis.ScaleRecorder() as recorder:
+            jsa.scalify(jax.grad(loss), policy=policy)(w, x, labels)
+        (record,) = [r for r in recorder.report(None).select("backward", op="dot_general")]
+        return record.log2_rms_data
+
+    assert -2 < weight_gradient_data(jsa.RescalePolicy()) < 2
+    assert weight_gradient_data(STATIC) < -8
