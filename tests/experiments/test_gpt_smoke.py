@@ -49,6 +49,7 @@ SLOW = {
     "scalify_fp16_manual",
     "scalify_fp16_master_manual",
     "scalify_fp8_manual",
+    "scalify_fp8_fp16_adam",  # its parts run in scalify_fp8 and scalify_fp16_fp16_adam
 }
 
 
@@ -195,6 +196,7 @@ def test_merge_keeps_each_configuration_once_and_checks_the_settings(tmp_path):
         merge_results([str(tmp_path / p / "gpt_results.json") for p in "ab"], tmp_path / "out")
 
 
+@pytest.mark.slow  # compiles and records a whole FP8 step; the recorder has its own tests
 def test_first_step_scales_lists_the_fp8_casts(setup):
     from experiments.train_gpt import first_step_scales
 

@@ -295,6 +295,7 @@ def test_rules_registered_with_summaries():
         assert prim in rules and rules[prim].summary, prim
 
 
+@pytest.mark.slow  # jax.scipy.special's expi/expn: large vmapped while loops to compile
 def test_exponential_integrals_run_with_batched_loops():
     """``expi``/``exp1``/``expn`` loop with batched predicates; unit-scaled inputs give their values.
 

@@ -117,7 +117,7 @@ def test_gru_scan_of_16_steps_keeps_gradient_data_near_unit_size():
     static = jax.jit(jsa.scalify(step, policy=STATIC))(*args)
     default = jax.jit(jsa.scalify(step))(*args)
     assert_matches_plain(default, jax.jit(step)(params, xs, targets), rtol=2e-5, atol=1e-6)
-    assert min(log2_data_rms(g) for g in scaled_leaves(static[1])) < -30  # the static gradient scales ran away
+    assert max(abs(log2_data_rms(g)) for g in scaled_leaves(static[1])) > 20  # static gradient scales ran away
     assert all(-2 <= log2_data_rms(x) < 2 for x in scaled_leaves(default))
 
 
