@@ -135,3 +135,16 @@ def test_inside_equinox_filter_jit_with_non_array_leaves():
     np.testing.assert_allclose(y.to_array(), np.tanh(X / 4) * 0.5, rtol=1e-6)
     np.testing.assert_array_equal(ones, [0.5, 0.5])
     assert tag == "done"
+
+
+def test_vmap_outside_scalify_with_in_axes_that_leave_the_scale_unmapped():
+    """The form docs/pytrees.md gives for mapping a scalified function from outside."""
+    x = jsa.as_scaled_array(jnp.arange(12.0).reshape(4, 3) + 1)
+    axes = jax.tree.unflatten(jax.tree.structure(x), [0, None])
+    y = jax.vmap(jsa.scalify(lambda a: a * 2), in_axes=(axes,))(x)
+    assert jnp.shape(y.scale) == (4,)  # the default policy rescales each example's output
+    np.testing.assert_allclose(np.asarray(y.data * y.scale[:, None]), 2 * np.asarray(x.to_array()))
+    static = jsa.scalify(lambda a: a * 2, policy=jsa.RescalePolicy.static())
+    y = jax.vmap(static, in_axes=(axes,), out_axes=axes)(x)
+    assert jnp.shape(y.scale) == ()
+    np.testing.assert_allclose(np.asarray(y.to_array()), 2 * np.asarray(x.to_array()))
