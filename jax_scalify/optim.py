@@ -41,7 +41,7 @@ import numpy as np
 import optax
 
 from .core.array import ScaledArray, asarray, is_floating_dtype, is_scaled_leaf
-from .core.interpreter import _is_tracing_user_code, scalify
+from .core.interpreter import is_tracing_user_code, scalify
 from .lax.primitives import set_scaling, stop_scaling
 from .ops.rescaling import Norm, dynamic_rescale
 
@@ -297,7 +297,7 @@ def scale_state(
         return init_stored(state)
 
     def update_fn(updates: PyTree, state: PyTree, params: PyTree | None = None, **extra_args) -> tuple[PyTree, PyTree]:
-        outside = not _is_tracing_user_code()
+        outside = not is_tracing_user_code()
         _check_stored(state, storage, outside)
         new_updates, new_state = update_stored(updates, state, params, extra_args)
         if outside and not any(isinstance(u, ScaledArray) for u in jax.tree.leaves(updates, is_leaf=is_scaled_leaf)):

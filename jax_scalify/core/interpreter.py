@@ -70,7 +70,8 @@ def observe_equations(observer: EquationObserver):
         _trace_state.observers.remove(observer)
 
 
-def _is_tracing_user_code() -> bool:
+def is_tracing_user_code() -> bool:
+    """True while ``scalify`` traces a user function (the jaxpr it will evaluate is being built)."""
     return _trace_state.depth > 0
 
 
@@ -145,11 +146,11 @@ def scalify(
 
 def _scalified_call(trace_cache, policy: RescalePolicy, fun, args, kwargs):
     leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=is_scaled_leaf)
-    if _is_tracing_user_code() and not any(isinstance(x, ScaledArray) for x in leaves):
+    if is_tracing_user_code() and not any(isinstance(x, ScaledArray) for x in leaves):
         # Called while an outer scalify traces: the outer interpreter sees these equations.
         args, kwargs = jax.tree.unflatten(in_tree, [_release_static(x) for x in leaves])
         return fun(*args, **kwargs)
-    check_scalify_inputs(leaves, (args, kwargs), nested=_is_tracing_user_code())
+    check_scalify_inputs(leaves, (args, kwargs), nested=is_tracing_user_code())
     dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
     closed_jaxpr, out_tree, static_outs = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
     dynamic_leaves = [leaves[i] for i in dynamic]

@@ -32,7 +32,7 @@ from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.interpreter import scalify
 from ..core.policy import STATIC_POLICY
 from ..lax.primitives import get_data_scale, rebalance, stop_scaling
-from .rescaling import Norm, NormFn, _is_floating_array, _norm_fn, _pow2_floor, _rescale_factor, _work_dtype
+from .rescaling import Norm, NormFn, is_floating_array, min_scale_pow2, norm_function, rescale_factor, statistic_dtype
 
 Array = Any
 PyTree = Any
@@ -64,14 +64,14 @@ def _value_statistic(x: Array, norm_fn: NormFn, dtype: Any) -> Array:
     """``scale * norm(data)``: the statistic of the value, in ``dtype``, not differentiated."""
     data, scale = get_data_scale(x)
     data = jax.lax.stop_gradient(data)
-    stat = norm_fn(data.astype(_work_dtype(data.dtype))) * jax.lax.stop_gradient(scale).astype(np.float32)
+    stat = norm_fn(data.astype(statistic_dtype(data.dtype))) * jax.lax.stop_gradient(scale).astype(np.float32)
     return stat.astype(dtype)
 
 
 def _delayed_leaf(
     x: Any, previous: Array, norm_fn: NormFn, mode: Pow2RoundMode | None, min_scale: float | None
 ) -> tuple[Any, Array]:
-    if not _is_floating_array(x) or x.size == 0:
+    if not is_floating_array(x) or x.size == 0:
         return x, previous
     stat_dtype = jnp.result_type(previous)
     previous = stop_scaling(jnp.asarray(previous), np.float32)  # the state itself may be scaled
@@ -79,7 +79,7 @@ def _delayed_leaf(
     scale = jax.lax.stop_gradient(scale)
     # The previous value statistic in units of the current data: a zero (no statistic yet)
     # or non-finite one gives factor 1, and the factor is guarded as dynamic_rescale's is.
-    factor = _rescale_factor(previous / scale.astype(np.float32), scale, mode, min_scale)
+    factor = rescale_factor(previous / scale.astype(np.float32), scale, mode, min_scale)
     return rebalance(x, factor), _value_statistic(x, norm_fn, stat_dtype)
 
 
@@ -111,7 +111,7 @@ def delayed_rescale(
         ``(rescaled_tree, new_state)``. Values are unchanged, with or without scalify.
         Called outside scalify on ``ScaledArray`` leaves, it runs under ``scalify`` eagerly.
     """
-    norm_fn = _norm_fn(norm)
+    norm_fn = norm_function(norm)
     if not isinstance(state, DelayedRescaleState):
         raise TypeError(
             f"jsa.ops.delayed_rescale expects a DelayedRescaleState, got {type(state).__name__}. "
@@ -129,7 +129,7 @@ def delayed_rescale(
         # Only outside scalify are leaves ScaledArray objects (inside, they trace as data).
         fn = lambda t, s: delayed_rescale(t, s, norm, rounding_mode=rounding_mode, min_scale=min_scale)  # noqa: E731
         return scalify(fn, policy=STATIC_POLICY)(tree, state)
-    min_scale = None if min_scale is None else _pow2_floor(min_scale)
+    min_scale = None if min_scale is None else min_scale_pow2(min_scale)
     outs = [_delayed_leaf(x, m, norm_fn, rounding_mode, min_scale) for x, m in zip(leaves, stats)]
     new_tree = jax.tree.unflatten(treedef, [x for x, _ in outs])
     new_stats = jax.tree.unflatten(treedef, [m for _, m in outs])

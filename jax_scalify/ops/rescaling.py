@@ -56,7 +56,7 @@ NormFn = Callable[[Array], Array]
 Norm = str | NormFn
 
 
-def _work_dtype(dtype) -> np.dtype:
+def statistic_dtype(dtype) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
@@ -95,7 +95,7 @@ def max_norm(data: Array) -> Array:
 _NORMS: dict[str, NormFn] = {"l1": l1_norm, "l2": l2_norm, "max": max_norm}
 
 
-def _norm_fn(norm: Norm) -> NormFn:
+def norm_function(norm: Norm) -> NormFn:
     if callable(norm):
         return norm
     if norm not in _NORMS:
@@ -105,7 +105,7 @@ def _norm_fn(norm: Norm) -> NormFn:
     return _NORMS[norm]
 
 
-def _is_floating_array(x: Any) -> bool:
+def is_floating_array(x: Any) -> bool:
     return hasattr(x, "dtype") and hasattr(x, "shape") and is_floating_dtype(x.dtype)
 
 
@@ -114,7 +114,7 @@ def _pow2_max(dtype) -> float:
     return float(2.0 ** (jnp.finfo(dtype).maxexp - 1))
 
 
-def _pow2_floor(min_scale: float) -> float:
+def min_scale_pow2(min_scale: float) -> float:
     """``min_scale`` checked and rounded up to a power of two, so factors stay powers of two."""
     value = float(min_scale)
     if not (np.isfinite(value) and value > 0):
@@ -122,7 +122,7 @@ def _pow2_floor(min_scale: float) -> float:
     return float(2.0 ** np.ceil(np.log2(value)))
 
 
-def _rescale_factor(stat: Array, scale: Array, mode: Pow2RoundMode | None, min_scale: float | None) -> Array:
+def rescale_factor(stat: Array, scale: Array, mode: Pow2RoundMode | None, min_scale: float | None) -> Array:
     """The power-of-two factor for ``rebalance``, guarded as the module docstring says."""
     scale_dtype = np.dtype(scale.dtype)
     work = np.promote_types(np.float32, scale_dtype)
@@ -173,9 +173,9 @@ def rescale_scaled_array(x: ScaledArray, norm: Norm = "l2", sample_size: int | N
     """
     config = get_scalify_config()
     data = strided_sample(jax.lax.stop_gradient(x.data), sample_size)
-    stat = _norm_fn(norm)(data.astype(_work_dtype(data.dtype)))
+    stat = norm_function(norm)(data.astype(statistic_dtype(data.dtype)))
     scale = as_scale(x.scale)
-    return scaled_rebalance(x, _rescale_factor(stat, jnp.asarray(scale), config.rounding_mode, None))
+    return scaled_rebalance(x, rescale_factor(stat, jnp.asarray(scale), config.rounding_mode, None))
 
 
 def _one_pass_statistic(data: Array, norm: str) -> Array:
@@ -209,7 +209,7 @@ def _batch_statistics(samples: list[Array], norm: Norm, work, one_pass: bool) ->
     """
     if one_pass and not callable(norm) and np.dtype(work) == np.float32:
         return jnp.stack([_one_pass_statistic(d.astype(work), norm) for d in samples])
-    norm_fn = _norm_fn(norm)
+    norm_fn = norm_function(norm)
     return jnp.stack([norm_fn(d.astype(work)) for d in samples])
 
 
@@ -241,7 +241,7 @@ def rescale_scaled_arrays(
     if min_scale is None and _exponent_path(stats, scales, mode):
         inverses, new_scales = _pow2_rescale_exponents(stats, scales, mode == Pow2RoundMode.UP)
     else:
-        factors = _rescale_factor(stats, scales, mode, min_scale)
+        factors = rescale_factor(stats, scales, mode, min_scale)
         inverses, new_scales = 1 / factors, scales * factors
     outs = []
     for i, x in enumerate(xs):
@@ -275,7 +275,7 @@ def _from_biased_exponent(e: Array) -> Array:
 def _pow2_rescale_exponents(stats: Array, scales: Array, up: bool) -> tuple[Array, Array]:
     """``(1 / factors, scales * factors)`` of a batch rescale, computed on the float32 exponent fields.
 
-    The same rule as :func:`_rescale_factor` (the statistic rounded to a power of two moves
+    The same rule as :func:`rescale_factor` (the statistic rounded to a power of two moves
     into the scale; the new scale stays a normal float32; a zero, subnormal or non-finite
     statistic, or a scale that is 0, subnormal or inf, leaves the value as it is) in integer
     arithmetic: a few cheap operations without division, which XLA fuses into the kernels
@@ -359,13 +359,13 @@ def dynamic_rescale(
             non-finite statistic leaves the leaf unchanged.
     """
     if not callable(norm):
-        _norm_fn(norm)  # checks the name
+        norm_function(norm)  # checks the name
     config = get_scalify_config()
     if rounding_mode is not None:
         config = dataclasses.replace(config, rounding_mode=rounding_mode)
-    min_scale = None if min_scale is None else _pow2_floor(min_scale)
+    min_scale = None if min_scale is None else min_scale_pow2(min_scale)
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_scaled_leaf)
-    where = [i for i, x in enumerate(leaves) if isinstance(x, ScaledArray) or _is_floating_array(x)]
+    where = [i for i, x in enumerate(leaves) if isinstance(x, ScaledArray) or is_floating_array(x)]
     if where:
         for i, out in zip(where, _rescale_leaves([leaves[i] for i in where], norm, config, min_scale)):
             leaves[i] = out
@@ -395,7 +395,7 @@ def on_backward(tree: PyTree, bwd: Callable[[list], list]) -> PyTree:
     no cotangent.
     """
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_scaled_leaf)
-    where = [i for i, x in enumerate(leaves) if _is_floating_array(x)]
+    where = [i for i, x in enumerate(leaves) if is_floating_array(x)]
     if not where:
         return tree
 
@@ -422,7 +422,7 @@ def dynamic_rescale_grad(
     Use it where gradients drift from unit scale (the paper applies it to the input
     gradient of each LayerNorm). Same arguments as :func:`dynamic_rescale`.
     """
-    _norm_fn(norm)  # fail at the call, not in the backward pass
+    norm_function(norm)  # fail at the call, not in the backward pass
 
     def bwd(cts):
         return dynamic_rescale(cts, norm, rounding_mode=rounding_mode, min_scale=min_scale)
@@ -455,12 +455,17 @@ __all__ = [
     "dynamic_rescale_max",
     "dynamic_rescale_max_grad",
     "dynamic_rescale_p",
+    "is_floating_array",
     "l1_norm",
     "l2_norm",
     "max_norm",
+    "min_scale_pow2",
+    "norm_function",
     "on_backward",
     "rescale_scaled_array",
+    "rescale_factor",
     "rescale_scaled_arrays",
     "scaled_dynamic_rescale",
+    "statistic_dtype",
     "strided_sample",
 ]
