@@ -50,6 +50,8 @@ SLOW = {
     "scalify_fp16_master_manual",
     "scalify_fp8_manual",
     "scalify_fp8_fp16_adam",  # its parts run in scalify_fp8 and scalify_fp16_fp16_adam
+    "scalify_fp8_fp16_adam_manual",
+    "scalify_fp16",  # the recipe trains in scalify_fp16_fp16_adam (FP16 weights and moments)
 }
 
 

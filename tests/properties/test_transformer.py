@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import given, settings
 
 import jax_scalify as jsa
@@ -122,6 +123,7 @@ def test_gpt_adam_step_invariance(data):
     _check_invariance(data, CFG, plain_step, scalified_step, max_exponent=10)
 
 
+@pytest.mark.slow  # a variant of test_gpt_adam_step_invariance
 @settings(max_examples=examples(3), deadline=None)
 @given(data=st.data())
 def test_gpt_bare_adam_step_untied_head_finite_mask_invariance(data):
