@@ -61,6 +61,12 @@ def scaled(data, exponent: int, dtype=jnp.float32) -> jsa.ScaledArray:
     return jsa.ScaledArray(jnp.asarray(data, dtype), jnp.float32(2.0**exponent))
 
 
+def value_at_scale(x, exponent: int) -> jsa.ScaledArray:
+    """The value ``x`` as a float32 ``ScaledArray`` with scale ``2**exponent`` (data ``x / 2**exponent``)."""
+    data = np.asarray(x, np.float64) / 2.0**exponent
+    return jsa.ScaledArray(jnp.asarray(data, np.float32), jnp.float32(2.0**exponent))
+
+
 def exact_value(x) -> np.ndarray:
     """The value of a scaled (or plain) array in float64: ``data * scale`` without rounding."""
     if isinstance(x, jsa.ScaledArray):

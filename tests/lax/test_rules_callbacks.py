@@ -8,7 +8,7 @@ from jax.experimental import io_callback
 import jax_scalify as jsa
 from jax_scalify.extend import registered_rules
 from jax_scalify.lax import rules_callbacks
-from tests.invariance import Case, invariance_test, normal
+from tests.invariance import Case, invariance_test, normal, value_at_scale
 
 
 def with_callbacks(x, w):
@@ -26,10 +26,7 @@ INVARIANCE_CASES = [Case("callbacks", with_callbacks, [normal(4), normal(4)])]
 test_invariance = invariance_test(INVARIANCE_CASES, max_examples=6)
 
 
-def scaled(x, exponent):
-    """``x`` as a float32 ``ScaledArray`` with scale ``2**exponent``."""
-    data = np.asarray(x, np.float64) / 2.0**exponent
-    return jsa.ScaledArray(jnp.asarray(data, np.float32), jnp.float32(2.0**exponent))
+scaled = value_at_scale  # the value x at scale 2**exponent
 
 
 RNG = np.random.default_rng(0)

@@ -1,14 +1,13 @@
 """sharding_constraint under scalify: the data constrained, a traced scale replicated."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 import jax_scalify as jsa
 from jax_scalify.extend import registered_rules
 from jax_scalify.lax import rules_sharding
-from tests.invariance import Case, invariance_test, normal
+from tests.invariance import Case, invariance_test, normal, value_at_scale
 
 _ONE_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
@@ -23,10 +22,7 @@ INVARIANCE_CASES = [Case("sharding_constraint", with_sharding, [normal(4), norma
 test_invariance = invariance_test(INVARIANCE_CASES, max_examples=6)
 
 
-def scaled(x, exponent):
-    """``x`` as a float32 ``ScaledArray`` with scale ``2**exponent``."""
-    data = np.asarray(x, np.float64) / 2.0**exponent
-    return jsa.ScaledArray(jnp.asarray(data, np.float32), jnp.float32(2.0**exponent))
+scaled = value_at_scale  # the value x at scale 2**exponent
 
 
 RNG = np.random.default_rng(0)
