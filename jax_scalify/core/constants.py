@@ -56,7 +56,7 @@ def _is_float(dtype: Any) -> bool:
         return False
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class ExactConstants:
     """The recovered constants of one trace, keyed by the identity of the traced value object.
 
@@ -296,7 +296,7 @@ def _lost_message(wide: np.ndarray, rounded: np.ndarray, dtype: np.dtype, where:
     )
 
 
-# --- the interpreter's view ---------------------------------------------------------------------
+# --- constants known at trace time --------------------------------------------------------------
 class _State(threading.local):
     def __init__(self):
         self.active: list[ExactConstants] = []
@@ -306,22 +306,21 @@ _state = _State()
 
 
 @contextlib.contextmanager
-def exact_constants(found: ExactConstants | None) -> Iterator[None]:
-    """Scope in which :func:`exact_value` reports the recovered constants of ``found``."""
-    if not found:
+def known_constants(found: ExactConstants | None = None) -> Iterator[None]:
+    """Scope in which :func:`known_scalar` reports exact values: those of ``found``, and those
+    that :func:`fold` records inside it. Without ``found``, an enclosing scope is kept."""
+    if found is None and _state.active:
         yield
         return
-    _state.active.append(found)
+    scope = ExactConstants() if found is None else found
+    _state.active.append(scope)
     try:
         yield
     finally:
-        _state.active.remove(found)
+        _state.active.remove(scope)
 
 
-def exact_value(value: Any) -> np.ndarray | None:
-    """The recovered exact value of a traced constant (a literal's value object), or None."""
-    if not _state.active:
-        return None
+def _recorded_exact(value: Any) -> np.ndarray | None:
     key = id(value)
     for found in _state.active:
         entry = found.exact.get(key)
@@ -330,10 +329,94 @@ def exact_value(value: Any) -> np.ndarray | None:
     return None
 
 
+def _repeated_element(value: Any) -> np.ndarray | None:
+    """The one element that a trace-time value repeats (0-d, its dtype), or None."""
+    if isinstance(value, (bool, int, float)):  # Python numbers (and JAX's weak-typed literals)
+        return np.asarray(value)
+    if isinstance(value, np.ndarray):  # NumPy arrays, JAX's array literals, folded values
+        if value.size == 0 or not _is_numeric(value.dtype):
+            return None
+        if value.size > 1 and any(stride != 0 for stride, n in zip(value.strides, value.shape) if n > 1):
+            return None
+        return np.asarray(value[(0,) * value.ndim])
+    if isinstance(value, jax.core.Tracer) or not hasattr(value, "dtype") or np.size(value) != 1:
+        return None
+    if not _is_numeric(value.dtype):  # PRNG keys
+        return None
+    return np.asarray(value).reshape(())
+
+
+def _is_numeric(dtype: Any) -> bool:
+    try:
+        return np.dtype(dtype).kind in "biufc" or _is_float(dtype)
+    except TypeError:  # extended dtypes (PRNG keys)
+        return False
+
+
+def known_scalar(value: Any) -> np.ndarray | None:
+    """The scalar that a value known at trace time repeats, at its exact value; None otherwise.
+
+    Known values are Python numbers, NumPy values (a jaxpr's literals and the values
+    :func:`fold` computes) whose elements are one scalar (size 1, or broadcast: zero
+    strides), and concrete (not traced) size-1 JAX arrays. The scalar is the exact value
+    recorded for the value object (a constant of a narrow-float trace, a folded constant),
+    else its own element. A value passed on unchanged (into a sub-jaxpr, a loop body, a
+    branch) stays known: nothing has to be carried beside it.
+    """
+    exact = _recorded_exact(value) if _state.active else None
+    return exact if exact is not None else _repeated_element(value)
+
+
+def fold(eqn: JaxprEqn, scalar_fn: Callable[..., Any] | None, invals: Sequence[Any]) -> list | None:
+    """The output of a plain equation on known operands, computed at trace time; None if it is not one.
+
+    ``scalar_fn`` (see ``register_scaled_op(scalar_preserving=...)``) maps the scalars of
+    operands that each repeat one scalar to the scalar of the output. The output is that
+    scalar computed from the operands' own (traced) elements, cast to the output dtype and
+    broadcast without a copy to the output shape: the value JAX computes, as a NumPy
+    constant, which every trace takes as one (XLA receives a scalar and a broadcast). When
+    ``scalar_fn`` of the operands' exact values (:func:`known_scalar`) differs from it, the
+    exact value is recorded for the output, so promotion splits the intended constant (a
+    ``1e-8`` that a float16 trace holds as 0, a product of constants below float16's range).
+    """
+    if scalar_fn is None or eqn.primitive.multiple_results or not invals:
+        return None
+    exact_in = [known_scalar(x) for x in invals]
+    if any(s is None for s in exact_in):
+        return None
+    traced_in = [_repeated_element(x).astype(v.aval.dtype) for x, v in zip(invals, eqn.invars)]
+    with np.errstate(all="ignore"):
+        exact, traced = scalar_fn(*exact_in, **eqn.params), scalar_fn(*traced_in, **eqn.params)
+        if exact is None or traced is None or np.size(exact) != 1 or np.size(traced) != 1:
+            return None
+        aval = eqn.outvars[0].aval
+        traced = np.asarray(traced).reshape(()).astype(aval.dtype)
+    return [constant_value(traced, aval.shape, np.asarray(exact).reshape(()))]
+
+
+def constant_value(element: np.ndarray, shape: Sequence[int], exact: np.ndarray) -> np.ndarray:
+    """A NumPy value repeating ``element`` (0-d) over ``shape``, known at the exact value ``exact``.
+
+    The value is a broadcast view (no copy). ``exact`` is recorded for it in the innermost
+    :func:`known_constants` scope when it differs from ``element``.
+    """
+    value = np.broadcast_to(element, tuple(shape))
+    if _differs(exact, element):
+        if not _state.active:
+            raise RuntimeError("internal to jax_scalify: a constant was folded outside a known_constants scope")
+        _state.active[-1].exact[id(value)] = (value, exact)
+    return value
+
+
+def _differs(exact: np.ndarray, traced: np.ndarray) -> bool:
+    if exact.dtype != traced.dtype:
+        return True
+    both_nan = _is_float(exact.dtype) and bool(np.isnan(exact)) and bool(np.isnan(traced))
+    return not (bool(exact == traced) or both_nan)
+
+
 def check_not_lost(eqn: JaxprEqn) -> None:
     """Raise if a literal of ``eqn`` (which has scaled operands) may be a lost constant."""
-    if not _state.active:
-        return
     for v in eqn.invars:
         if not isinstance(v, Literal):
             continue
@@ -346,10 +429,12 @@ def check_not_lost(eqn: JaxprEqn) -> None:
 __all__ = [
     "ExactConstants",
     "check_not_lost",
-    "exact_constants",
-    "exact_value",
+    "constant_value",
+    "fold",
     "has_narrow_constants",
     "is_narrow_float",
+    "known_constants",
+    "known_scalar",
     "recover",
     "widened_example",
 ]
