@@ -1,23 +1,30 @@
-"""Exact values of the constants of a trace on narrow (16- or 8-bit) float data.
+"""Constants known at trace time, and the exact values of those a narrow-float trace rounded.
 
-``scalify`` traces the user function on the *data* of its inputs. With float16 data JAX casts
-a Python constant to float16 while tracing, so ``x * 1e-8`` holds the literal ``0`` and
-``x * 1e5`` the literal ``inf`` before any scale rule sees them (and Adam's ``eps=1e-8`` turns
-``m / (sqrt(v) + eps)`` into ``0 / 0``).
+**A known constant is its value.** A plain value known at trace time is a Python number or a
+NumPy value repeating one element (:func:`known_scalar`). The interpreter folds the plain
+equations of scalar-preserving primitives on such values into new NumPy values
+(:func:`fold`), so a constant stays one wherever it is passed (a sub-jaxpr, a loop body, a
+branch, a jitted call): nothing has to be carried beside it.
 
-This module recovers the intended values. When the data trace holds narrow floating
-constants (and only then), the function is traced a second time with every narrow floating
-input widened to float32. The two traces run the same Python code, so their equations pair
-up one to one (the widened trace may hold extra ``convert_element_type`` equations, e.g. for
-``x.astype(jnp.float16)``, and the narrow one extra converts to float32). A narrow literal (or
-size-1 constant) is given the value of its float32 counterpart when that value rounds to it:
-``0:f16`` paired with ``1e-8:f32`` is ``1e-8``, ``65504:f16`` paired with float32 max is left
-alone (float32 max does not round to 65504: the code chose a dtype-dependent value).
+**Exact values.** ``scalify`` traces the user function on the *data* of its inputs. With
+float16 data JAX casts a Python constant to float16 while tracing, so ``x * 1e-8`` holds the
+literal ``0`` and ``x * 1e5`` the literal ``inf`` before any scale rule sees them (and Adam's
+``eps=1e-8`` turns ``m / (sqrt(v) + eps)`` into ``0 / 0``).
 
-The exact values are used only where a constant meets a scaled operand: the interpreter's
-constant-scalar tracking reports them, so promotion splits the exact value into a
-power-of-two scale and a mantissa. Plain equations still bind the literal as traced, so they
-compute exactly what JAX computes.
+When the data trace holds narrow floating constants (and only then), the function is traced a
+second time with every narrow floating input widened to float32 (:func:`recover`). The two
+traces run the same Python code, so their equations pair up one to one (the widened trace
+may hold extra ``convert_element_type`` equations, e.g. for ``x.astype(jnp.float16)``, and
+the narrow one extra converts to float32). A narrow literal (or size-1 constant) is given the
+value of its float32 counterpart when that value rounds to it: ``0:f16`` paired with
+``1e-8:f32`` is ``1e-8``, ``65504:f16`` paired with float32 max is left alone (float32 max
+does not round to 65504: the code chose a dtype-dependent value).
+
+Exact values are recorded against the value objects (a literal's value, a folded value), in
+the :func:`known_constants` scope of an evaluation, and :func:`known_scalar` reports them:
+they are used only where a constant meets a scaled operand, where promotion splits the exact
+value into a power-of-two scale and a mantissa. Plain equations still compute with the
+values as traced, so they give exactly what JAX gives.
 
 If the traces do not pair up (code whose structure depends on the dtype), the constants
 that the narrow trace lost (a finite non-zero float32 value that became 0 or ±inf) are
@@ -58,10 +65,10 @@ def _is_float(dtype: Any) -> bool:
 
 @dataclasses.dataclass(eq=False)
 class ExactConstants:
-    """The recovered constants of one trace, keyed by the identity of the traced value object.
+    """Exact values of constants, keyed by the identity of the value object (held, so ids stay unique).
 
     ``exact``: ``id(value) -> (value, exact 0-d value)`` for literal values and constants of
-    the narrow trace; ``lost``: ``id(value) -> (value, message)`` for narrow literals that
+    a narrow trace, and for the values folded in a :func:`known_constants` scope; ``lost``: ``id(value) -> (value, message)`` for narrow literals that
     may stand for a constant that over- or underflowed and could not be recovered.
     """
 
@@ -334,23 +341,13 @@ def _repeated_element(value: Any) -> np.ndarray | None:
     if isinstance(value, (bool, int, float)):  # Python numbers (and JAX's weak-typed literals)
         return np.asarray(value)
     if isinstance(value, np.ndarray):  # NumPy arrays, JAX's array literals, folded values
-        if value.size == 0 or not _is_numeric(value.dtype):
-            return None
-        if value.size > 1 and any(stride != 0 for stride, n in zip(value.strides, value.shape) if n > 1):
-            return None
-        return np.asarray(value[(0,) * value.ndim])
+        repeated = value.size == 1 or all(stride == 0 for stride, n in zip(value.strides, value.shape) if n > 1)
+        return np.asarray(value[(0,) * value.ndim]) if value.size and repeated else None
     if isinstance(value, jax.core.Tracer) or not hasattr(value, "dtype") or np.size(value) != 1:
         return None
-    if not _is_numeric(value.dtype):  # PRNG keys
+    if jnp.issubdtype(value.dtype, jax.dtypes.extended):  # PRNG keys
         return None
     return np.asarray(value).reshape(())
-
-
-def _is_numeric(dtype: Any) -> bool:
-    try:
-        return np.dtype(dtype).kind in "biufc" or _is_float(dtype)
-    except TypeError:  # extended dtypes (PRNG keys)
-        return False
 
 
 def known_scalar(value: Any) -> np.ndarray | None:

@@ -223,7 +223,7 @@ def _nnx_graph_call(fun, args, kwargs):
 
 
 def _as_jax_arrays(x):
-    """Scales folded at trace time are NumPy values; hand the user JAX arrays throughout."""
+    """Scales and constants folded at trace time are NumPy values; hand the user JAX arrays throughout."""
     if isinstance(x, ScaledArray):
         return ScaledArray.unchecked(_as_jax_arrays(x.data), _as_jax_arrays(x.scale))
     return jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
@@ -329,6 +329,11 @@ def eval_scaled_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) 
     (:func:`~jax_scalify.core.constants.fold`) instead of bound, so a constant stays one
     wherever it is passed, and promotion splits it exactly.
     """
+    with constants.known_constants():
+        return _eval_jaxpr(jaxpr, consts, args)
+
+
+def _eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     if len(args) != len(jaxpr.invars):
         raise ValueError(f"The jaxpr takes {len(jaxpr.invars)} arguments, {len(args)} were given.")
     env: dict[Var, Any] = {}
@@ -350,24 +355,23 @@ def eval_scaled_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) 
             env[v] = val
         pending.clear()
 
-    with constants.known_constants():
-        for eqn in jaxpr.eqns:
-            uses_gradient = pending and any(isinstance(v, Var) and v in gradients for v in eqn.invars)
-            if uses_gradient and not rescale_policy.is_backward_equation(eqn):
-                rescale_pending()
-            invals = [read(v) for v in eqn.invars]
-            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-            with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-                outvals = _eval_equation(eqn, invals)
-            for observer in _trace_state.observers:
-                observer(eqn, invals, outvals)
-            for v, val in zip(eqn.outvars, outvals):
-                write(v, val)
-                if v in gradients:
-                    pending.append(v)
-        if pending:
+    for eqn in jaxpr.eqns:
+        uses_gradient = pending and any(isinstance(v, Var) and v in gradients for v in eqn.invars)
+        if uses_gradient and not rescale_policy.is_backward_equation(eqn):
             rescale_pending()
-        return [read(v) for v in jaxpr.outvars]
+        invals = [read(v) for v in eqn.invars]
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            outvals = _eval_equation(eqn, invals)
+        for observer in _trace_state.observers:
+            observer(eqn, invals, outvals)
+        for v, val in zip(eqn.outvars, outvals):
+            write(v, val)
+            if v in gradients:
+                pending.append(v)
+    if pending:
+        rescale_pending()
+    return [read(v) for v in jaxpr.outvars]
 
 
 def _gradients_to_rescale(jaxpr: Jaxpr) -> frozenset:
