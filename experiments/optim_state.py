@@ -106,7 +106,8 @@ def train(cfg: Config, opt: optax.GradientTransformation, data: tuple, params32,
 
     params = jsa.as_scaled_array(params32) if cfg.scalify else params32
     params = jsa.tree.astype(params, cfg.dtype)
-    result = fit(run, step, params, opt.init(params), data, steps)
+    opt_state = opt.init(params)
+    result = fit(run, step, params, opt_state, data, steps)
     result["first_nan_step"] = next((i for i, v in enumerate(result["losses"]) if not math.isfinite(v)), None)
     return result
 
