@@ -315,16 +315,20 @@ _state = _State()
 @contextlib.contextmanager
 def known_constants(found: ExactConstants | None = None) -> Iterator[None]:
     """Scope in which :func:`known_scalar` reports exact values: those of ``found``, and those
-    that :func:`fold` records inside it. Without ``found``, an enclosing scope is kept."""
+    that :func:`fold` records inside it. Without ``found``, an enclosing scope is kept.
+
+    Records go to a fresh table of the scope, never into ``found`` (which a trace cache keeps).
+    """
     if found is None and _state.active:
         yield
         return
-    scope = ExactConstants() if found is None else found
-    _state.active.append(scope)
+    scopes = [ExactConstants()] if found is None else [found, ExactConstants()]
+    _state.active.extend(scopes)
     try:
         yield
     finally:
-        _state.active.remove(scope)
+        for scope in scopes:
+            _state.active.remove(scope)
 
 
 def _recorded_exact(value: Any) -> np.ndarray | None:

@@ -182,6 +182,16 @@ def test_known_scalar_of_trace_time_values():
     assert seen == [None]  # a tracer is not known, even of a concrete example
 
 
+def test_exact_values_of_folded_constants_live_in_their_scope_only():
+    """Recorded beside (never into) the recovered constants that a trace cache keeps."""
+    found = constants.ExactConstants()
+    with constants.known_constants(found):
+        value = constants.constant_value(np.asarray(0, np.float16), (3,), np.asarray(1e-8, np.float32))
+        assert constants.known_scalar(value) == np.float32(1e-8)
+    assert not found.exact
+    assert constants.known_scalar(value) == 0 and constants.known_scalar(value).dtype == np.float16
+
+
 def test_plain_constant_equations_are_folded_into_numpy_values():
     """A constant computed from literals is a NumPy value: no equation, a constant of the trace."""
     fn = lambda x: (x * jnp.full_like(x, 3.0), jnp.zeros(x.shape) + 1.0)  # noqa: E731
