@@ -93,8 +93,10 @@ def _jitted_body(
 
 def _known_constant(arg) -> tuple | None:
     """``(dtype, shape, value, exact dtype, exact value)`` of an argument known at trace time, or None."""
-    if isinstance(arg, ScaledArray):  # a promoted constant: its value, as a plain constant
+    if isinstance(arg, ScaledArray):  # a promoted scalar constant: its value, as a plain constant
         if not (isinstance(arg.data, np.ndarray) and isinstance(arg.scale, (np.ndarray, np.generic))):
+            return None
+        if np.ndim(arg.data) != 0:  # not multiplied out here: its data goes in, its scale is baked
             return None
         arg = arg.to_array()
     exact = known_scalar(arg)
