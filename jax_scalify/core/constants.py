@@ -382,6 +382,9 @@ def fold(eqn: JaxprEqn, scalar_fn: Callable[..., Any] | None, invals: Sequence[A
     """
     if scalar_fn is None or eqn.primitive.multiple_results or not invals:
         return None
+    aval = eqn.outvars[0].aval
+    if not all(isinstance(d, int) for d in getattr(aval, "shape", (None,))):  # symbolic (export) shapes
+        return None
     exact_in = [known_scalar(x) for x in invals]
     if any(s is None for s in exact_in):
         return None
@@ -390,7 +393,6 @@ def fold(eqn: JaxprEqn, scalar_fn: Callable[..., Any] | None, invals: Sequence[A
         exact, traced = scalar_fn(*exact_in, **eqn.params), scalar_fn(*traced_in, **eqn.params)
         if exact is None or traced is None or np.size(exact) != 1 or np.size(traced) != 1:
             return None
-        aval = eqn.outvars[0].aval
         traced = np.asarray(traced).reshape(()).astype(aval.dtype)
     return [constant_value(traced, aval.shape, np.asarray(exact).reshape(()))]
 

@@ -204,6 +204,14 @@ def test_plain_constant_equations_are_folded_into_numpy_values():
     np.testing.assert_array_equal(exact_value(scaled), 3 * X)
 
 
+def test_constants_of_symbolic_shapes_are_left_to_jax():
+    """``jax.export`` with a symbolic dimension: no NumPy value has that shape, JAX binds it."""
+    fn = jsa.scalify(lambda x: x * jnp.full_like(x, 3.0) + jnp.zeros(x.shape))
+    (batch,) = jax.export.symbolic_shape("b")
+    exported = jax.export.export(jax.jit(fn))(jax.ShapeDtypeStruct((batch,), jnp.float32))
+    np.testing.assert_array_equal(np.asarray(exported.call(jnp.ones(5))), np.full(5, 3.0))
+
+
 BOUNDARIES = {
     "jit": lambda x, eps: jax.jit(lambda a, b: a * b)(x, eps),
     "cond": lambda x, eps: jax.lax.cond(True, lambda: x * eps, lambda: x),
