@@ -404,18 +404,11 @@ def constant_value(element: np.ndarray, shape: Sequence[int], exact: np.ndarray)
     :func:`known_constants` scope when it differs from ``element``.
     """
     value = np.broadcast_to(element, tuple(shape))
-    if _differs(exact, element):
+    if not (exact.dtype == element.dtype and bool(exact == element)):  # (a nan is recorded: harmless)
         if not _state.active:
             raise RuntimeError("internal to jax_scalify: a constant was folded outside a known_constants scope")
         _state.active[-1].exact[id(value)] = (value, exact)
     return value
-
-
-def _differs(exact: np.ndarray, traced: np.ndarray) -> bool:
-    if exact.dtype != traced.dtype:
-        return True
-    both_nan = _is_float(exact.dtype) and bool(np.isnan(exact)) and bool(np.isnan(traced))
-    return not (bool(exact == traced) or both_nan)
 
 
 def check_not_lost(eqn: JaxprEqn) -> None:
