@@ -118,17 +118,28 @@ def batches(n: int, batch: int, epochs: int, seed: int) -> list[np.ndarray]:
 
 def train(run: Run, data: tuple, params32: list[dict], args) -> dict:
     """Train one run; returns its losses, test accuracy and time."""
-    x_train, y_train, x_test, y_test = data
-    steps = batches(len(x_train), args.batch, args.epochs, args.seed)
+    steps = batches(len(data[0]), args.batch, args.epochs, args.seed)
     opt = optax.adam(optax.cosine_decay_schedule(args.lr, len(steps)))
     opt_state = opt.init(params32)
     params = jsa.tree.astype(params32, run.dtype)
+    if run.scalify:
+        params = jsa.tree.astype(jsa.as_scaled_array(params32), run.dtype)
+        opt_state = jsa.as_scaled_array(opt_state)
+    return fit(run, make_step(run, opt), params, opt_state, data, steps)
+
+
+def fit(run: Run, step: Callable, params: Any, opt_state: Any, data: tuple, steps: list[np.ndarray]) -> dict:
+    """Run ``step(params, opt_state, x, labels) -> (loss, params, opt_state)`` over the batches.
+
+    ``params`` and ``opt_state`` are given as the run stores them (scaled for a scalify run);
+    the step and the prediction are scalified for such a run, and the inputs cast to
+    ``run.dtype`` (and scaled). Returns the losses, the final loss (mean of the last 10),
+    the test accuracy and the training time.
+    """
+    x_train, y_train, x_test, y_test = data
     as_input = lambda x: jnp.asarray(x, run.dtype)
-    step = make_step(run, opt)
     predict = lambda p, x: jnp.argmax(forward(p, x, run), axis=-1)
     if run.scalify:
-        params, opt_state = jsa.as_scaled_array(params32), jsa.as_scaled_array(opt_state)
-        params = jsa.tree.astype(params, run.dtype)
         as_input = lambda x: jsa.as_scaled_array(jnp.asarray(x, run.dtype))
         step, predict = jsa.scalify(step), jsa.scalify(predict)
     step, predict = jax.jit(step), jax.jit(predict)

@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -37,7 +35,7 @@ import optax
 
 import jax_scalify as jsa
 
-from .digits import Run, batches, forward, init_params, load_split, loss_fn
+from .digits import Run, batches, fit, init_params, load_split, loss_fn
 
 E4M3, E5M2, F16, F32 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float16, jnp.float32
 SIZES = (64, 128, 128, 10)
@@ -96,8 +94,7 @@ STORAGE_CONFIGS = (
 
 
 def train(cfg: Config, opt: optax.GradientTransformation, data: tuple, params32, steps: list) -> dict:
-    """Train one configuration; returns the final loss and test accuracy."""
-    x_train, y_train, x_test, y_test = data
+    """Train one configuration; returns the final loss, first non-finite loss and test accuracy."""
     run = Run(cfg.name, cfg.dtype, scalify=cfg.scalify)
     if cfg.state is not None:
         opt = jsa.optim.scale_state(opt, cfg.state, field_dtypes=dict(cfg.field_dtypes), rescale=cfg.rescale)
@@ -107,27 +104,12 @@ def train(cfg: Config, opt: optax.GradientTransformation, data: tuple, params32,
         updates, opt_state = opt.update(grads, opt_state, params)
         return loss, optax.apply_updates(params, updates), opt_state
 
-    params = jsa.tree.astype(params32, cfg.dtype)
-    as_input: Callable = lambda x: jnp.asarray(x, cfg.dtype)
-    predict = lambda p, x: jnp.argmax(forward(p, x, run), axis=-1)
-    if cfg.scalify:
-        params = jsa.tree.astype(jsa.as_scaled_array(params32), cfg.dtype)
-        as_input = lambda x: jsa.as_scaled_array(jnp.asarray(x, cfg.dtype))
-        step, predict = jsa.scalify(step), jsa.scalify(predict)
+    params = jsa.as_scaled_array(params32) if cfg.scalify else params32
+    params = jsa.tree.astype(params, cfg.dtype)
     opt_state = opt.init(params)
-    step, predict = jax.jit(step), jax.jit(predict)
-    start = time.perf_counter()
-    losses = []
-    for idx in steps:
-        loss, params, opt_state = step(params, opt_state, as_input(x_train[idx]), jnp.asarray(y_train[idx]))
-        losses.append(float(jsa.asarray(loss)))
-    accuracy = float(np.mean(np.asarray(predict(params, as_input(x_test))) == y_test))
-    return {
-        "final_loss": float(np.mean(losses[-10:])),
-        "first_nan_step": next((i for i, v in enumerate(losses) if not math.isfinite(v)), None),
-        "test_accuracy": accuracy,
-        "seconds": time.perf_counter() - start,
-    }
+    result = fit(run, step, params, opt_state, data, steps)
+    result["first_nan_step"] = next((i for i, v in enumerate(result["losses"]) if not math.isfinite(v)), None)
+    return result
 
 
 def run_all(args: argparse.Namespace) -> dict[tuple[str, str, str], dict]:

@@ -7,8 +7,9 @@ and ``analysis`` namespaces hold the user API. A rule author finds here, in one 
   when it runs, whether its inputs are promoted, whether the primitive preserves broadcast
   scalars), :func:`register_scaled_lax_op`, :func:`registered_rule`, :class:`RegisteredRule`;
 - the interpreter's entry points: :func:`eval_scaled_jaxpr` and :func:`eval_closed_jaxpr`
-  (a sub-jaxpr evaluated with the rules), :func:`observe_equations`, :func:`concrete_scalar`;
-- what is known about a value: :class:`ScaleFacts` (``any_scale``, ``slices``: pytree aux
+  (a sub-jaxpr evaluated with the rules), :func:`observe_equations`;
+- what is known about a value: :func:`known_scalar` (the scalar a plain value known at trace
+  time repeats: a constant is its NumPy value), :class:`ScaleFacts` (``any_scale``, ``slices``: pytree aux
   data of a ``ScaledArray``), :func:`any_scale_array`, :func:`is_any_scale`, :func:`promote`,
   and the power-of-two contract :func:`scales_are_pow2`;
 - sub-jaxprs (from :mod:`jax_scalify.lax.subjaxpr`): :func:`eval_sub_jaxpr` on an open
@@ -32,8 +33,9 @@ Example, a rule for a primitive that keeps its operand's scale::
 """
 
 from .core.array import ScaledArray, ScaleFacts, is_floating_dtype
+from .core.constants import known_scalar
 from .core.custom_scale import custom_scale_call_p
-from .core.interpreter import concrete_scalar, eval_closed_jaxpr, eval_scaled_jaxpr, observe_equations
+from .core.interpreter import eval_closed_jaxpr, eval_scaled_jaxpr, observe_equations
 from .core.pow2 import scales_are_pow2
 from .core.promotion import promote
 from .core.registry import (
@@ -59,12 +61,12 @@ __all__ = (
         "ScaledArray",
         "ScaledPrimitiveType",
         "ScaledRule",
-        "concrete_scalar",
         "custom_scale_call_p",
         "eval_closed_jaxpr",
         "eval_scaled_jaxpr",
         "find_registered_scaled_op",
         "is_floating_dtype",
+        "known_scalar",
         "lax_primitive",
         "observe_equations",
         "primitive_of",

@@ -30,6 +30,9 @@ import jax_scalify as jsa
 
 ArgMaker = Callable[[np.random.Generator], Any]
 
+STATIC_POLICY = jsa.RescalePolicy.static()
+"""The paper's static propagation, for tests of the scales that rules compute."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:

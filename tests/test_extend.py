@@ -7,7 +7,6 @@ from jax.extend.core import Primitive
 
 import jax_scalify as jsa
 from jax_scalify import extend as jsx
-from jax_scalify.core import registry
 from jax_scalify.lax import base_scaling, subjaxpr
 
 ENGINE_NAMES = (
@@ -20,6 +19,7 @@ ENGINE_NAMES = (
     "eval_sub_jaxpr",
     "fixed_point",
     "is_any_scale",
+    "known_scalar",
     "observe_equations",
     "primitive_of",
     "registered_rule",
@@ -28,12 +28,7 @@ ENGINE_NAMES = (
 )
 
 
-@pytest.fixture(autouse=True)
-def restore_registry():
-    saved = dict(registry._RULES)
-    yield
-    registry._RULES.clear()
-    registry._RULES.update(saved)
+pytestmark = pytest.mark.usefixtures("restore_registry")  # tests/conftest.py
 
 
 def test_extend_exports_the_engine_and_the_shared_scale_arithmetic():

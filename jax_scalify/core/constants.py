@@ -1,23 +1,30 @@
-"""Exact values of the constants of a trace on narrow (16- or 8-bit) float data.
+"""Constants known at trace time, and the exact values of those a narrow-float trace rounded.
 
-``scalify`` traces the user function on the *data* of its inputs. With float16 data JAX casts
-a Python constant to float16 while tracing, so ``x * 1e-8`` holds the literal ``0`` and
-``x * 1e5`` the literal ``inf`` before any scale rule sees them (and Adam's ``eps=1e-8`` turns
-``m / (sqrt(v) + eps)`` into ``0 / 0``).
+**A known constant is its value.** A plain value known at trace time is a Python number or a
+NumPy value repeating one element (:func:`known_scalar`). The interpreter folds the plain
+equations of scalar-preserving primitives on such values into new NumPy values
+(:func:`fold`), so a constant stays one wherever it is passed (a sub-jaxpr, a loop body, a
+branch, a jitted call): nothing has to be carried beside it.
 
-This module recovers the intended values. When the data trace holds narrow floating
-constants (and only then), the function is traced a second time with every narrow floating
-input widened to float32. The two traces run the same Python code, so their equations pair
-up one to one (the widened trace may hold extra ``convert_element_type`` equations, e.g. for
-``x.astype(jnp.float16)``, and the narrow one extra converts to float32). A narrow literal (or
-size-1 constant) is given the value of its float32 counterpart when that value rounds to it:
-``0:f16`` paired with ``1e-8:f32`` is ``1e-8``, ``65504:f16`` paired with float32 max is left
-alone (float32 max does not round to 65504: the code chose a dtype-dependent value).
+**Exact values.** ``scalify`` traces the user function on the *data* of its inputs. With
+float16 data JAX casts a Python constant to float16 while tracing, so ``x * 1e-8`` holds the
+literal ``0`` and ``x * 1e5`` the literal ``inf`` before any scale rule sees them (and Adam's
+``eps=1e-8`` turns ``m / (sqrt(v) + eps)`` into ``0 / 0``).
 
-The exact values are used only where a constant meets a scaled operand: the interpreter's
-constant-scalar tracking reports them, so promotion splits the exact value into a
-power-of-two scale and a mantissa. Plain equations still bind the literal as traced, so they
-compute exactly what JAX computes.
+When the data trace holds narrow floating constants (and only then), the function is traced a
+second time with every narrow floating input widened to float32 (:func:`recover`). The two
+traces run the same Python code, so their equations pair up one to one (the widened trace
+may hold extra ``convert_element_type`` equations, e.g. for ``x.astype(jnp.float16)``, and
+the narrow one extra converts to float32). A narrow literal (or size-1 constant) is given the
+value of its float32 counterpart when that value rounds to it: ``0:f16`` paired with
+``1e-8:f32`` is ``1e-8``, ``65504:f16`` paired with float32 max is left alone (float32 max
+does not round to 65504: the code chose a dtype-dependent value).
+
+Exact values are recorded against the value objects (a literal's value, a folded value), in
+the :func:`known_constants` scope of an evaluation, and :func:`known_scalar` reports them:
+they are used only where a constant meets a scaled operand, where promotion splits the exact
+value into a power-of-two scale and a mantissa. Plain equations still compute with the
+values as traced, so they give exactly what JAX gives.
 
 If the traces do not pair up (code whose structure depends on the dtype), the constants
 that the narrow trace lost (a finite non-zero float32 value that became 0 or ±inf) are
@@ -56,12 +63,12 @@ def _is_float(dtype: Any) -> bool:
         return False
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class ExactConstants:
-    """The recovered constants of one trace, keyed by the identity of the traced value object.
+    """Exact values of constants, keyed by the identity of the value object (held, so ids stay unique).
 
     ``exact``: ``id(value) -> (value, exact 0-d value)`` for literal values and constants of
-    the narrow trace; ``lost``: ``id(value) -> (value, message)`` for narrow literals that
+    a narrow trace, and for the values folded in a :func:`known_constants` scope; ``lost``: ``id(value) -> (value, message)`` for narrow literals that
     may stand for a constant that over- or underflowed and could not be recovered.
     """
 
@@ -296,7 +303,7 @@ def _lost_message(wide: np.ndarray, rounded: np.ndarray, dtype: np.dtype, where:
     )
 
 
-# --- the interpreter's view ---------------------------------------------------------------------
+# --- constants known at trace time --------------------------------------------------------------
 class _State(threading.local):
     def __init__(self):
         self.active: list[ExactConstants] = []
@@ -306,22 +313,25 @@ _state = _State()
 
 
 @contextlib.contextmanager
-def exact_constants(found: ExactConstants | None) -> Iterator[None]:
-    """Scope in which :func:`exact_value` reports the recovered constants of ``found``."""
-    if not found:
+def known_constants(found: ExactConstants | None = None) -> Iterator[None]:
+    """Scope in which :func:`known_scalar` reports exact values: those of ``found``, and those
+    that :func:`fold` records inside it. Without ``found``, an enclosing scope is kept.
+
+    Records go to a fresh table of the scope, never into ``found`` (which a trace cache keeps).
+    """
+    if found is None and _state.active:
         yield
         return
-    _state.active.append(found)
+    scopes = [ExactConstants()] if found is None else [found, ExactConstants()]
+    _state.active.extend(scopes)
     try:
         yield
     finally:
-        _state.active.remove(found)
+        for scope in scopes:
+            _state.active.remove(scope)
 
 
-def exact_value(value: Any) -> np.ndarray | None:
-    """The recovered exact value of a traced constant (a literal's value object), or None."""
-    if not _state.active:
-        return None
+def _recorded_exact(value: Any) -> np.ndarray | None:
     key = id(value)
     for found in _state.active:
         entry = found.exact.get(key)
@@ -330,10 +340,79 @@ def exact_value(value: Any) -> np.ndarray | None:
     return None
 
 
+def _repeated_element(value: Any) -> np.ndarray | None:
+    """The one element that a trace-time value repeats (0-d, its dtype), or None."""
+    if isinstance(value, (bool, int, float)):  # Python numbers (and JAX's weak-typed literals)
+        return np.asarray(value)
+    if isinstance(value, np.ndarray):  # NumPy arrays, JAX's array literals, folded values
+        repeated = value.size == 1 or all(stride == 0 for stride, n in zip(value.strides, value.shape) if n > 1)
+        return np.asarray(value[(0,) * value.ndim]) if value.size and repeated else None
+    if isinstance(value, jax.core.Tracer) or not hasattr(value, "dtype") or np.size(value) != 1:
+        return None
+    if jnp.issubdtype(value.dtype, jax.dtypes.extended):  # PRNG keys
+        return None
+    return np.asarray(value).reshape(())
+
+
+def known_scalar(value: Any) -> np.ndarray | None:
+    """The scalar that a value known at trace time repeats, at its exact value; None otherwise.
+
+    Known values are Python numbers, NumPy values (a jaxpr's literals and the values
+    :func:`fold` computes) whose elements are one scalar (size 1, or broadcast: zero
+    strides), and concrete (not traced) size-1 JAX arrays. The scalar is the exact value
+    recorded for the value object (a constant of a narrow-float trace, a folded constant),
+    else its own element. A value passed on unchanged (into a sub-jaxpr, a loop body, a
+    branch) stays known: nothing has to be carried beside it.
+    """
+    exact = _recorded_exact(value) if _state.active else None
+    return exact if exact is not None else _repeated_element(value)
+
+
+def fold(eqn: JaxprEqn, scalar_fn: Callable[..., Any] | None, invals: Sequence[Any]) -> list | None:
+    """The output of a plain equation on known operands, computed at trace time; None if it is not one.
+
+    ``scalar_fn`` (see ``register_scaled_op(scalar_preserving=...)``) maps the scalars of
+    operands that each repeat one scalar to the scalar of the output. The output is that
+    scalar computed from the operands' own (traced) elements, cast to the output dtype and
+    broadcast without a copy to the output shape: the value JAX computes, as a NumPy
+    constant, which every trace takes as one (XLA receives a scalar and a broadcast). When
+    ``scalar_fn`` of the operands' exact values (:func:`known_scalar`) differs from it, the
+    exact value is recorded for the output, so promotion splits the intended constant (a
+    ``1e-8`` that a float16 trace holds as 0, a product of constants below float16's range).
+    """
+    if scalar_fn is None or eqn.primitive.multiple_results or not invals:
+        return None
+    aval = eqn.outvars[0].aval
+    if not all(isinstance(d, int) for d in getattr(aval, "shape", (None,))):  # symbolic (export) shapes
+        return None
+    exact_in = [known_scalar(x) for x in invals]
+    if any(s is None for s in exact_in):
+        return None
+    traced_in = [_repeated_element(x).astype(v.aval.dtype) for x, v in zip(invals, eqn.invars)]
+    with np.errstate(all="ignore"):
+        exact, traced = scalar_fn(*exact_in, **eqn.params), scalar_fn(*traced_in, **eqn.params)
+        if exact is None or traced is None or np.size(exact) != 1 or np.size(traced) != 1:
+            return None
+        traced = np.asarray(traced).reshape(()).astype(aval.dtype)
+    return [constant_value(traced, aval.shape, np.asarray(exact).reshape(()))]
+
+
+def constant_value(element: np.ndarray, shape: Sequence[int], exact: np.ndarray) -> np.ndarray:
+    """A NumPy value repeating ``element`` (0-d) over ``shape``, known at the exact value ``exact``.
+
+    The value is a broadcast view (no copy). ``exact`` is recorded for it in the innermost
+    :func:`known_constants` scope when it differs from ``element``.
+    """
+    value = np.broadcast_to(element, tuple(shape))
+    if not (exact.dtype == element.dtype and bool(exact == element)):  # (a nan is recorded: harmless)
+        if not _state.active:
+            raise RuntimeError("internal to jax_scalify: a constant was folded outside a known_constants scope")
+        _state.active[-1].exact[id(value)] = (value, exact)
+    return value
+
+
 def check_not_lost(eqn: JaxprEqn) -> None:
     """Raise if a literal of ``eqn`` (which has scaled operands) may be a lost constant."""
-    if not _state.active:
-        return
     for v in eqn.invars:
         if not isinstance(v, Literal):
             continue
@@ -346,10 +425,12 @@ def check_not_lost(eqn: JaxprEqn) -> None:
 __all__ = [
     "ExactConstants",
     "check_not_lost",
-    "exact_constants",
-    "exact_value",
+    "constant_value",
+    "fold",
     "has_narrow_constants",
     "is_narrow_float",
+    "known_constants",
+    "known_scalar",
     "recover",
     "widened_example",
 ]

@@ -154,8 +154,8 @@ def _scalified_call(trace_cache, policy: RescalePolicy, fun, args, kwargs):
     dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
     closed_jaxpr, out_tree, static_outs = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
     dynamic_leaves = [leaves[i] for i in dynamic]
-    exact = constants.exact_constants(_exact_constants.get(closed_jaxpr.jaxpr))
-    with evaluating_rules(), exact, rescale_policy.applying(policy):
+    known = constants.known_constants(_exact_constants.get(closed_jaxpr.jaxpr))
+    with evaluating_rules(), known, rescale_policy.applying(policy):
         outs = eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, dynamic_leaves)
         if policy.outputs:
             fresh = [i for i, x in enumerate(outs) if not rescale_policy.was_rescaled(x)]
@@ -223,7 +223,7 @@ def _nnx_graph_call(fun, args, kwargs):
 
 
 def _as_jax_arrays(x):
-    """Scales folded at trace time are NumPy values; hand the user JAX arrays throughout."""
+    """Scales and constants folded at trace time are NumPy values; hand the user JAX arrays throughout."""
     if isinstance(x, ScaledArray):
         return ScaledArray.unchecked(_as_jax_arrays(x.data), _as_jax_arrays(x.scale))
     return jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
@@ -319,43 +319,34 @@ def _recover_exact_constants(closed_jaxpr: ClosedJaxpr, flat_fun, examples) -> N
         _exact_constants[closed_jaxpr.jaxpr] = found
 
 
-def eval_scaled_jaxpr(
-    jaxpr: Jaxpr,
-    consts: Sequence[Any],
-    args: Sequence[Any],
-    arg_scalars: Sequence[np.ndarray | None] | None = None,
-) -> list[Any]:
+def eval_scaled_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     """Evaluate ``jaxpr`` on ``args`` (``ScaledArray`` or plain) with the scale rules.
 
     This is the engine of :func:`scalify`; rules of call and control-flow primitives call
-    it on their sub-jaxprs. ``arg_scalars`` gives, per argument, the known constant scalar
-    it broadcasts (or None).
+    it on their sub-jaxprs. A plain value known at trace time is its own NumPy (or Python)
+    value (see :func:`~jax_scalify.core.constants.known_scalar`): plain equations of the
+    scalar-preserving primitives on such values are folded into NumPy values
+    (:func:`~jax_scalify.core.constants.fold`) instead of bound, so a constant stays one
+    wherever it is passed, and promotion splits it exactly.
     """
+    with constants.known_constants():
+        return _eval_jaxpr(jaxpr, consts, args)
+
+
+def _eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    if len(args) != len(jaxpr.invars):
+        raise ValueError(f"The jaxpr takes {len(jaxpr.invars)} arguments, {len(args)} were given.")
     env: dict[Var, Any] = {}
-    scalars: dict[Var, np.ndarray] = {}
 
     def read(v):
         return v.val if isinstance(v, Literal) else env[v]
 
-    def read_scalar(v):
-        if isinstance(v, Literal):
-            return concrete_scalar(v.val)
-        return scalars.get(v)
+    def write(v, value):
+        if type(v) is Var:  # not a DropVar
+            env[v] = value
 
-    def write(v, value, scalar=None):
-        if type(v) is not Var:  # DropVar
-            return
-        env[v] = value
-        if scalar is not None:
-            scalars[v] = scalar
-
-    for v, c in zip(jaxpr.constvars, consts):
-        write(v, c, concrete_scalar(c))
-    arg_scalars = arg_scalars or [None] * len(args)
-    if len(args) != len(jaxpr.invars):
-        raise ValueError(f"The jaxpr takes {len(jaxpr.invars)} arguments, {len(args)} were given.")
-    for v, a, s in zip(jaxpr.invars, args, arg_scalars):
-        write(v, a, s)
+    for v, value in zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]):
+        write(v, value)
     gradients = _gradients_to_rescale(jaxpr)
     pending: list[Var] = []  # gradients defined, to rescale together before their first forward use
 
@@ -369,14 +360,13 @@ def eval_scaled_jaxpr(
         if uses_gradient and not rescale_policy.is_backward_equation(eqn):
             rescale_pending()
         invals = [read(v) for v in eqn.invars]
-        in_scalars = [read_scalar(v) for v in eqn.invars]
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-            outvals, out_scalars = _eval_equation(eqn, invals, in_scalars)
+            outvals = _eval_equation(eqn, invals)
         for observer in _trace_state.observers:
             observer(eqn, invals, outvals)
-        for v, val, s in zip(eqn.outvars, outvals, out_scalars):
-            write(v, val, s)
+        for v, val in zip(eqn.outvars, outvals):
+            write(v, val)
             if v in gradients:
                 pending.append(v)
     if pending:
@@ -391,19 +381,20 @@ def _gradients_to_rescale(jaxpr: Jaxpr) -> frozenset:
     return rescale_policy.gradient_boundary(jaxpr)
 
 
-def _eval_equation(eqn: JaxprEqn, invals: list, in_scalars: list) -> tuple[list, list]:
+def _eval_equation(eqn: JaxprEqn, invals: list) -> list:
     prim = eqn.primitive
     entry = registered_rule(prim)
     scaled_type = entry.scaled_type if entry else ScaledPrimitiveType.FORWARD
     if scaled_type == ScaledPrimitiveType.NEVER:
-        return _bind(eqn, [unscaled(x) for x in invals]), [None] * len(eqn.outvars)
+        return _bind(eqn, [unscaled(x) for x in invals])
     needs_rule = (
         scaled_type == ScaledPrimitiveType.ALWAYS_SCALE
         or any(isinstance(x, ScaledArray) for x in invals)
         or _holds_always_scale(eqn)
     )
     if not needs_rule:
-        return _bind(eqn, invals), _propagate_scalars(eqn, in_scalars)
+        folded = constants.fold(eqn, entry.scalar_fn if entry else None, invals)
+        return _bind(eqn, invals) if folded is None else folded
     constants.check_not_lost(eqn)
     if entry is None:
         raise _missing_rule_error(eqn, invals)
@@ -411,11 +402,11 @@ def _eval_equation(eqn: JaxprEqn, invals: list, in_scalars: list) -> tuple[list,
         inputs = list(invals)
     else:
         backward = _rescales_backward_entries(eqn)
-        inputs = [_promote_if_floating(x, s, backward) for x, s in zip(invals, in_scalars)]
+        inputs = [_promote_if_floating(x, backward) for x in invals]
     outs = entry.rule(*inputs, **eqn.params)
     outs = list(outs) if prim.multiple_results else [outs]
     _check_rule_outputs(eqn, outs)
-    return _keep_any_scale(entry, inputs, outs), [None] * len(outs)
+    return _keep_any_scale(entry, inputs, outs)
 
 
 def _keep_any_scale(entry: RegisteredRule, inputs: list, outs: list) -> list:
@@ -438,9 +429,10 @@ def _bind(eqn: JaxprEqn, invals: list) -> list:
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
-def _promote_if_floating(x, scalar, backward: bool = False):
+def _promote_if_floating(x, backward: bool = False):
     if isinstance(x, ScaledArray) or not hasattr(x, "dtype") or not is_floating_dtype(x.dtype):
         return x
+    scalar = constants.known_scalar(x)
     promoted = promote(x, scalar)
     if scalar is None and np.ndim(x) > 0 and backward:
         # A plain array entering the scaled backward pass derives from the loss's cotangent
@@ -460,45 +452,9 @@ def _rescales_backward_entries(eqn: JaxprEqn) -> bool:
 def eval_closed_jaxpr(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
     """:func:`eval_scaled_jaxpr` on a closed sub-jaxpr, for the rules of call primitives.
 
-    Plain arguments known at trace time keep their constant-scalar status (see
-    :func:`concrete_scalar`), so constants passed into the sub-jaxpr are still split exactly.
+    Arguments are taken as they are: a plain one known at trace time stays known inside.
     """
-    scalars = [None if isinstance(a, ScaledArray) else concrete_scalar(a) for a in args]
-    return eval_scaled_jaxpr(closed.jaxpr, closed.consts, list(args), scalars)
-
-
-def concrete_scalar(value) -> np.ndarray | None:
-    """The value as a 0-d NumPy array if it is a concrete (not traced) size-1 number.
-
-    For a constant of a narrow-float trace, its exact value (see :mod:`jax_scalify.core.constants`).
-    """
-    exact = constants.exact_value(value)
-    if exact is not None:
-        return exact
-    if isinstance(value, (bool, int, float)):
-        return np.asarray(value)
-    if isinstance(value, jax.core.Tracer) or not hasattr(value, "dtype") or np.size(value) != 1:
-        return None
-    if jnp.issubdtype(value.dtype, jax.dtypes.extended):  # PRNG keys
-        return None
-    return np.asarray(value).reshape(())
-
-
-def _propagate_scalars(eqn: JaxprEqn, in_scalars: list) -> list:
-    """Outputs that broadcast a known scalar, for the primitives declared scalar-preserving.
-
-    The primitive's scalar function gets the scalars of all operands (every one must be
-    known) and returns the output's scalar, or ``None`` if the output is not one.
-    """
-    entry = registered_rule(eqn.primitive)
-    fn = entry.scalar_fn if entry else None
-    if fn is None or eqn.primitive.multiple_results or not in_scalars or any(s is None for s in in_scalars):
-        return [None] * len(eqn.outvars)
-    out = fn(*in_scalars, **eqn.params)
-    if out is None:
-        return [None]
-    out = np.asarray(out)
-    return [out.reshape(()) if out.size == 1 else None]
+    return eval_scaled_jaxpr(closed.jaxpr, closed.consts, list(args))
 
 
 @functools.lru_cache(maxsize=4096)

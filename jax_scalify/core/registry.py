@@ -116,10 +116,12 @@ def register_scaled_op(
         scalar_preserving: the primitive maps broadcast scalar constants to a broadcast scalar
             (``True``: one operand, the same scalar, as layout ops do; or
             ``fn(*scalars, **params)`` computing the output scalar from those of all operands
-            with NumPy, ``None`` where the output is not a scalar). The interpreter then keeps
-            recognising constants such as ``jnp.full(shape, 2.0)``, or the ``1 / N`` of a mean's
-            gradient, and splits them exactly into mantissa and power-of-two scale where they
-            meet scaled data.
+            with NumPy, ``None`` where the output is not a scalar). The interpreter then folds
+            the primitive on constants at trace time (:func:`jax_scalify.core.constants.fold`),
+            so constants such as ``jnp.full(shape, 2.0)``, or the ``1 / N`` of a mean's
+            gradient, stay known and are split exactly into mantissa and power-of-two scale
+            where they meet scaled data. The function's result on the operands as traced, cast
+            to the output dtype, replaces the equation: it must be what the primitive computes.
 
     Returns:
         The rule (so the decorator leaves the function usable by name).

@@ -301,7 +301,7 @@ def scaled_checkpoint(*args: Any, jaxpr: Jaxpr, prevent_cse: bool | tuple, diffe
     """Body scalified inside a checkpoint with the same policy, prevent_cse and differentiated flags."""
     leaves, treedef = jax.tree.flatten(list(args))
     arg_of_leaf = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
-    # NumPy and Python leaves (literals, scales folded at trace time) stay constants of the body.
+    # NumPy and Python leaves (literals, folded constants and scales) stay constants of the body.
     constant_types = (np.ndarray, np.generic, bool, int, float)
     traced = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, constant_types)]
     out_tree_box = []

@@ -36,7 +36,8 @@ from jax.extend.core import ClosedJaxpr
 
 from ..core.array import ScaledArray
 from ..core.config import ScalifyConfig, get_scalify_config
-from ..core.interpreter import concrete_scalar, eval_closed_jaxpr, eval_scaled_jaxpr
+from ..core.constants import constant_value, known_scalar
+from ..core.interpreter import eval_closed_jaxpr
 from ..core.promotion import is_any_scale
 from ..core.registry import lax_primitive, register_scaled_lax_op, register_scaled_op
 
@@ -48,10 +49,11 @@ custom_vjp_call_p = lax_primitive("custom_vjp_call")
 class _CallSignature(NamedTuple):
     """What a jitted body is specialised on, besides the sub-jaxpr and the argument types.
 
-    - ``constants``: ``(position, dtype, value, exact dtype, exact value)`` of the arguments
-      known at trace time; they are baked into the body instead of passed, so the sub-jaxpr
-      still sees them as constants (a literal ``0.0`` passed to ``jnp.where``'s jitted body
-      stays any-scale) with their exact value (see :mod:`jax_scalify.core.constants`);
+    - ``constants``: ``(position, dtype, shape, value, exact dtype, exact value)`` of the
+      arguments known at trace time (:func:`~jax_scalify.core.constants.known_scalar`: NumPy
+      and Python values repeating one scalar); they are baked into the body instead of
+      passed, so the sub-jaxpr still sees them as constants (a literal ``0.0`` passed to
+      ``jnp.where``'s jitted body stays any-scale) with their exact value;
     - ``const_scales``: ``(position, dtype, shape, values)`` of the ``ScaledArray`` arguments
       whose scale is a trace-time constant: only their data is passed, the scale is baked in,
       so scale arithmetic on it still folds in Python inside the body.
@@ -66,8 +68,10 @@ def _jitted_body(
     jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, signature: _CallSignature, config: ScalifyConfig
 ):
     """One ``jax.jit`` per sub-jaxpr, :class:`_CallSignature` and configuration (JAX caches compilations)."""
-    values = {i: np.asarray(v, dtype) for i, dtype, v, _, _ in signature.constants}
-    exact = {i: np.asarray(v, dtype) for i, _, _, dtype, v in signature.constants}
+    baked = {
+        i: (np.asarray(v, dtype), shape, np.asarray(e, e_dtype))
+        for i, dtype, shape, v, e_dtype, e in signature.constants
+    }
     scales = {i: np.asarray(v, dtype).reshape(shape) for i, dtype, shape, v in signature.const_scales}
     n_args = len(jaxpr.jaxpr.invars)
 
@@ -75,26 +79,32 @@ def _jitted_body(
         dynamic = iter(dynamic_args)
         args = []
         for i in range(n_args):
-            if i in values:
-                args.append(values[i])
+            if i in baked:
+                args.append(constant_value(*baked[i]))
             elif i in scales:
                 args.append(ScaledArray(next(dynamic), scales[i]))
             else:
                 args.append(next(dynamic))
-        scalars = [exact.get(i) for i in range(n_args)]
-        return eval_scaled_jaxpr(jaxpr.jaxpr, jaxpr.consts, args, scalars)
+        return eval_closed_jaxpr(jaxpr, args)
 
     body.__name__ = name
     return jax.jit(body, inline=inline, keep_unused=keep_unused)
 
 
-def _constant_value(arg) -> np.ndarray | None:
-    """The 0-d value of an argument known at trace time (a literal, or a promoted one)."""
-    if isinstance(arg, ScaledArray):
-        if isinstance(arg.data, (np.ndarray, np.generic)) and isinstance(arg.scale, (np.ndarray, np.generic)):
-            return concrete_scalar(arg.to_array()) if np.ndim(arg.data) == 0 else None
+def _known_constant(arg) -> tuple | None:
+    """``(dtype, shape, value, exact dtype, exact value)`` of an argument known at trace time, or None."""
+    if isinstance(arg, ScaledArray):  # a promoted scalar constant: its value, as a plain constant
+        if not (isinstance(arg.data, np.ndarray) and isinstance(arg.scale, (np.ndarray, np.generic))):
+            return None
+        if np.ndim(arg.data) != 0:  # not multiplied out here: its data goes in, its scale is baked
+            return None
+        arg = arg.to_array()
+    exact = known_scalar(arg)
+    if exact is None:
         return None
-    return concrete_scalar(arg) if np.ndim(arg) == 0 else None
+    value = np.asarray(arg)
+    element = value[(0,) * value.ndim]
+    return value.dtype, value.shape, element.item(), exact.dtype, exact.item()
 
 
 def _is_const_scale(arg) -> bool:
@@ -110,19 +120,18 @@ def _is_const_scale(arg) -> bool:
 @register_scaled_op(jit_p, unpromoted_inputs=True)
 def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, **params):
     """Sub-jaxpr scalified and re-emitted as a jitted call with the same name and options."""
-    constants, const_scales, dynamic = [], [], []
+    known, const_scales, dynamic = [], [], []
     for i, arg in enumerate(args):
-        value = _constant_value(arg)
-        if value is not None:
-            bound = np.asarray(arg.to_array() if isinstance(arg, ScaledArray) else arg).reshape(())
-            constants.append((i, bound.dtype, bound.item(), value.dtype, value.item()))
+        constant = _known_constant(arg)
+        if constant is not None:
+            known.append((i, *constant))
         elif _is_const_scale(arg):
             scale = np.asarray(arg.scale)
             const_scales.append((i, scale.dtype.str, scale.shape, tuple(scale.ravel().tolist())))
             dynamic.append(arg.data)
         else:
             dynamic.append(arg)
-    signature = _CallSignature(tuple(constants), tuple(const_scales))
+    signature = _CallSignature(tuple(known), tuple(const_scales))
     body = _jitted_body(jaxpr, name, inline, keep_unused, signature, get_scalify_config())
     return body(*dynamic)
 

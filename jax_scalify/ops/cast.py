@@ -121,3 +121,6 @@ def reduce_precision_on_backward(x: Array, dtype: DTypeLike) -> Array:
 
 reduce_precision_on_forward.__doc__ += _RP_NOTE
 reduce_precision_on_backward.__doc__ += _RP_NOTE
+
+
+__all__ = ["cast_on_backward", "cast_on_forward", "reduce_precision_on_backward", "reduce_precision_on_forward"]

@@ -158,3 +158,6 @@ def debug_print_grad(fmt: str, *args: PyTree) -> Any:
         return cts
 
     return _single_or_tuple(on_backward(args, bwd))
+
+
+__all__ = ["debug_callback", "debug_callback_grad", "debug_print", "debug_print_grad"]

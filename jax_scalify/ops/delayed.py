@@ -134,3 +134,6 @@ def delayed_rescale(
     new_tree = jax.tree.unflatten(treedef, [x for x, _ in outs])
     new_stats = jax.tree.unflatten(treedef, [m for _, m in outs])
     return new_tree, DelayedRescaleState(new_stats)
+
+
+__all__ = ["DelayedRescaleState", "delayed_rescale", "init_delayed_rescale_state"]

@@ -170,6 +170,66 @@ def test_dtype_dependent_constant_is_left_alone():
     np.testing.assert_allclose(exact_value(out), x * 65504.0 * 1e-8, rtol=_rtol(jnp.float16))
 
 
+def test_known_scalar_of_trace_time_values():
+    assert constants.known_scalar(2.5) == 2.5
+    broadcast = constants.known_scalar(np.broadcast_to(np.float16(3), (4, 5)))  # zero strides: one scalar
+    assert broadcast.shape == () and broadcast.dtype == np.float16 and broadcast == 3
+    assert constants.known_scalar(np.arange(3.0)) is None
+    assert constants.known_scalar(np.broadcast_to(np.arange(3.0), (2, 3))) is None  # repeated rows only
+    assert constants.known_scalar(np.zeros((0,), np.float32)) is None
+    seen = []
+    jax.make_jaxpr(lambda t: seen.append(constants.known_scalar(t)) or t)(np.float32(1))
+    assert seen == [None]  # a tracer is not known, even of a concrete example
+
+
+def test_exact_values_of_folded_constants_live_in_their_scope_only():
+    """Recorded beside (never into) the recovered constants that a trace cache keeps."""
+    found = constants.ExactConstants()
+    with constants.known_constants(found):
+        value = constants.constant_value(np.asarray(0, np.float16), (3,), np.asarray(1e-8, np.float32))
+        assert constants.known_scalar(value) == np.float32(1e-8)
+    assert not found.exact
+    assert constants.known_scalar(value) == 0 and constants.known_scalar(value).dtype == np.float16
+
+
+def test_plain_constant_equations_are_folded_into_numpy_values():
+    """A constant computed from literals is a NumPy value: no equation, a constant of the trace."""
+    fn = lambda x: (x * jnp.full_like(x, 3.0), jnp.zeros(x.shape) + 1.0)  # noqa: E731
+    scalified = jsa.scalify(fn, policy=jsa.RescalePolicy.static())
+    jaxpr = jax.make_jaxpr(scalified)(_scaled(X, jnp.float32)).jaxpr
+    assert [e.primitive.name for e in jaxpr.eqns] == ["mul", "mul"]  # the data and the scale times 4
+    scaled, plain = scalified(_scaled(X, jnp.float32))
+    assert isinstance(plain, jax.Array)  # returned as a JAX array
+    np.testing.assert_array_equal(np.asarray(plain), np.ones(4))
+    np.testing.assert_array_equal(exact_value(scaled), 3 * X)
+
+
+def test_constants_of_symbolic_shapes_are_left_to_jax():
+    """``jax.export`` with a symbolic dimension: no NumPy value has that shape, JAX binds it."""
+    fn = jsa.scalify(lambda x: x * jnp.full_like(x, 3.0) + jnp.zeros(x.shape))
+    (batch,) = jax.export.symbolic_shape("b")
+    exported = jax.export.export(jax.jit(fn))(jax.ShapeDtypeStruct((batch,), jnp.float32))
+    np.testing.assert_array_equal(np.asarray(exported.call(jnp.ones(5))), np.full(5, 3.0))
+
+
+BOUNDARIES = {
+    "jit": lambda x, eps: jax.jit(lambda a, b: a * b)(x, eps),
+    "cond": lambda x, eps: jax.lax.cond(True, lambda: x * eps, lambda: x),
+    "scan": lambda x, eps: jax.lax.fori_loop(0, 1, lambda i, y: y * eps, x),
+    "while": lambda x, eps: jax.lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, c[1] * eps), (0, x))[1],
+}
+
+
+@pytest.mark.parametrize("boundary", list(BOUNDARIES))
+def test_a_folded_constant_keeps_its_exact_value_across_a_boundary(boundary):
+    """``full_like(x, 1e-8)`` holds 0 in a float16 trace. Folded, it is a NumPy value with its
+    exact value recorded, and it is passed unchanged into a jitted call, a branch or a loop body."""
+    fn = lambda x: BOUNDARIES[boundary](x, jnp.full_like(x, 1e-8))  # noqa: E731
+    out = jax.jit(jsa.scalify(fn, policy=jsa.RescalePolicy.static()))(_scaled(X, jnp.float16))
+    _check_finite_pow2_scale(out)
+    np.testing.assert_allclose(exact_value(out), np.asarray(X, np.float64) * 1e-8, rtol=_rtol(jnp.float16))
+
+
 def _trace_counter(fn):
     calls = []
 

@@ -6,9 +6,7 @@ import numpy as np
 import pytest
 
 import jax_scalify as jsa
-from tests.invariance import Case, assert_close_values, assert_pow2_scales, invariance_test, normal
-
-STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+from tests.invariance import STATIC_POLICY, Case, assert_close_values, assert_pow2_scales, invariance_test, normal
 
 RULE_CALLS = []
 

@@ -7,9 +7,7 @@ import optax
 import pytest
 
 import jax_scalify as jsa
-from tests.invariance import assert_pow2_scales
-
-STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+from tests.invariance import STATIC_POLICY, assert_pow2_scales
 
 X = np.array([1.0, -2.0, 3.0, 0.5], np.float32)
 

@@ -4,7 +4,6 @@ import pytest
 from jax.extend.core import Primitive, primitives
 
 import jax_scalify as jsa
-from jax_scalify.core import registry
 from jax_scalify.extend import (
     RegisteredRule,
     ScaledPrimitiveType,
@@ -15,14 +14,7 @@ from jax_scalify.extend import (
     registered_rules,
 )
 
-
-@pytest.fixture(autouse=True)
-def restore_registry():
-    """Rules registered by a test must not leak into the registry other tests (and docs) see."""
-    saved = dict(registry._RULES)
-    yield
-    registry._RULES.clear()
-    registry._RULES.update(saved)
+pytestmark = pytest.mark.usefixtures("restore_registry")  # tests/conftest.py
 
 
 def _fresh_primitive(name):

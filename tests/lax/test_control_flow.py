@@ -8,10 +8,17 @@ from jax import lax
 
 import jax_scalify as jsa
 from jax_scalify.lax import control_flow
-from tests.invariance import Case, assert_close_values, assert_pow2_scales, integers, invariance_test, normal, positive
+from tests.invariance import (
+    STATIC_POLICY,
+    Case,
+    assert_close_values,
+    assert_pow2_scales,
+    integers,
+    invariance_test,
+    normal,
+    positive,
+)
 from tests.invariance import primitive_names as primitives_in
-
-STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 
 
 # --- programs ----------------------------------------------------------------------------------

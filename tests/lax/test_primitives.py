@@ -7,9 +7,7 @@ import pytest
 
 import jax_scalify as jsa
 from jax_scalify.lax import get_data_and_scale, get_data_scale, rebalance, set_scaling, stop_scaling
-from tests.invariance import Case
-
-STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+from tests.invariance import STATIC_POLICY, Case
 
 X = np.array([1.0, -2.0, 3.0], np.float32)
 

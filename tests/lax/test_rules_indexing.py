@@ -7,9 +7,7 @@ import pytest
 from jax import lax
 
 import jax_scalify as jsa
-from tests.invariance import Case, assert_pow2_scales, integers, invariance_test, normal
-
-STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+from tests.invariance import STATIC_POLICY, Case, assert_pow2_scales, integers, invariance_test, normal
 
 # Five indices into 4 rows: duplicates are likely, so scatter combiners are exercised.
 _ROWS = integers(5, low=0, high=4)

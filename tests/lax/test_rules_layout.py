@@ -7,9 +7,7 @@ import pytest
 from jax import lax
 
 import jax_scalify as jsa
-from tests.invariance import Case, assert_pow2_scales, invariance_test, normal
-
-STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+from tests.invariance import STATIC_POLICY, Case, assert_pow2_scales, invariance_test, normal
 
 _PAD_CONFIG = ((1, 2, 0), (-1, 1, 1))  # edge padding, cropping and interior padding
 

@@ -19,11 +19,9 @@ from jax import lax
 
 import jax_scalify as jsa
 from jax_scalify.lax import rules_linalg_solvers
-from tests.invariance import Case, assert_pow2_scales, invariance_test, normal
+from tests.invariance import STATIC_POLICY, Case, assert_pow2_scales, invariance_test, normal
 from tests.invariance import exact_value as _value
 from tests.invariance import scaled as _scaled
-
-STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 
 N = 4
 

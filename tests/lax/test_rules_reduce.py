@@ -6,9 +6,7 @@ import numpy as np
 from jax import lax
 
 import jax_scalify as jsa
-from tests.invariance import Case, assert_pow2_scales, invariance_test, normal, positive
-
-STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+from tests.invariance import STATIC_POLICY, Case, assert_pow2_scales, invariance_test, normal, positive
 
 
 def max_pool(x, window=(1, 2, 2, 1), strides=(1, 2, 2, 1), padding="VALID"):

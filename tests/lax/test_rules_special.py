@@ -9,12 +9,10 @@ from jax import lax
 import jax_scalify as jsa
 from jax_scalify.core import ScaledPrimitiveType, find_registered_scaled_op
 from jax_scalify.lax import rules_special
-from tests.invariance import Case, assert_pow2_scales, invariance_test, normal, positive
+from tests.invariance import STATIC_POLICY, Case, assert_pow2_scales, invariance_test, normal, positive
 from tests.invariance import exact_value as _value
 from tests.invariance import scale_of as _scale
 from tests.invariance import scaled as _scaled
-
-STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
 
 SHAPE = (3, 4)
 

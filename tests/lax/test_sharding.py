@@ -13,9 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_scalify as jsa
-from tests.invariance import Case, assert_close_values, assert_pow2_scales, invariance_test, normal
-
-STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+from tests.invariance import STATIC_POLICY, Case, assert_close_values, assert_pow2_scales, invariance_test, normal
 
 N = 8
 pytestmark = pytest.mark.skipif(jax.device_count() < N, reason=f"needs {N} devices (tests/conftest.py sets them)")

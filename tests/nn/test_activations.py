@@ -7,9 +7,7 @@ import pytest
 
 import jax_scalify as jsa
 from jax_scalify import nn
-from tests.invariance import Case, assert_close_values, assert_pow2_scales, invariance_test, normal
-
-STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+from tests.invariance import STATIC_POLICY, Case, assert_close_values, assert_pow2_scales, invariance_test, normal
 
 E4M3 = jnp.float8_e4m3fn
 

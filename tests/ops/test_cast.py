@@ -5,9 +5,7 @@ import pytest
 
 import jax_scalify as jsa
 from jax_scalify import ops
-from tests.invariance import assert_pow2_scales
-
-STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+from tests.invariance import STATIC_POLICY, assert_pow2_scales
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 X = jnp.array([1.1, -3.3, 0.2, 17.0], jnp.float32)

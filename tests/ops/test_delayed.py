@@ -9,9 +9,7 @@ import pytest
 
 import jax_scalify as jsa
 from jax_scalify import ops
-from tests.invariance import assert_pow2_scales
-
-STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+from tests.invariance import STATIC_POLICY, assert_pow2_scales
 
 RNG = np.random.default_rng(0)
 

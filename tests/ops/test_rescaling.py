@@ -5,9 +5,7 @@ import pytest
 
 import jax_scalify as jsa
 from jax_scalify import ops
-from tests.invariance import assert_pow2_scales
-
-STATIC_POLICY = jsa.RescalePolicy.static()  # tests of the rules' static scales
+from tests.invariance import STATIC_POLICY, assert_pow2_scales
 
 RESCALES = {"l1": ops.dynamic_rescale_l1, "l2": ops.dynamic_rescale_l2, "max": ops.dynamic_rescale_max}
 GRAD_RESCALES = {
