@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 
 from ..core.array import is_floating_dtype
+from ..ops.rescaling import dynamic_rescale, l2_norm, strided_sample
 
 Array = Any
 DTypeLike = Any
@@ -42,6 +43,30 @@ def as_float_dtype(caller: str, name: str, dtype: DTypeLike) -> DType:
 
 def _cast(x: Array, dtype: DType) -> Array:
     return x if dtype is None else lax.convert_element_type(x, dtype)
+
+
+CAST_SAMPLE_SIZE = 4096
+
+
+def sampled_rms(data: Array) -> Array:
+    """Root mean square of a strided sample of at most about ``CAST_SAMPLE_SIZE`` entries of ``data``."""
+    return l2_norm(strided_sample(data, CAST_SAMPLE_SIZE))
+
+
+def is_8bit_float(dtype: DType) -> bool:
+    return dtype is not None and np.dtype(dtype).itemsize == 1
+
+
+def rescale_before_cast(x: Array, dtype: DType) -> Array:
+    """``x`` with its data brought to unit RMS under ``scalify`` before a cast to an 8-bit ``dtype``.
+
+    Per-tensor current scaling: the RMS of a strided sample of the data, rounded to a power
+    of two, moves into the scale (``jsa.ops.dynamic_rescale`` with :func:`sampled_rms`), so
+    the cast sees data near 1, where an 8-bit format has its precision, whatever the
+    propagated scale. Values are unchanged; outside ``scalify``, and for wider formats, it
+    returns ``x`` as it is.
+    """
+    return dynamic_rescale(x, sampled_rms) if is_8bit_float(dtype) else x
 
 
 def _free_dims(ndim: int, contracting: Sequence[int], batch: Sequence[int]) -> tuple[int, ...]:
@@ -122,7 +147,7 @@ def cast_matmul(lhs, rhs, dims, precision, fwd, bwd, acc, out_dtype, lhs_dtype, 
 
 
 def _cast_matmul_fwd(lhs, rhs, dims, precision, fwd, bwd, acc, out_dtype, lhs_dtype, rhs_dtype, out_sharding):
-    lq, rq = _cast(lhs, fwd), _cast(rhs, fwd)
+    lq, rq = _cast(rescale_before_cast(lhs, fwd), fwd), _cast(rescale_before_cast(rhs, fwd), fwd)
     sharding = {} if out_sharding is None else {"out_sharding": out_sharding}
     out = lax.dot_general(lq, rq, dims, precision, preferred_element_type=acc, **sharding)
     # The residuals are the cast operands: the backward matmuls use them as they are.
@@ -131,7 +156,7 @@ def _cast_matmul_fwd(lhs, rhs, dims, precision, fwd, bwd, acc, out_dtype, lhs_dt
 
 def _cast_matmul_bwd(dims, precision, fwd, bwd, acc, out_dtype, lhs_dtype, rhs_dtype, out_sharding, residuals, g):
     lq, rq = residuals
-    gq = _cast(g, bwd)
+    gq = _cast(rescale_before_cast(g, bwd), bwd)
     grad_lhs = _grad_lhs(gq, rq, lq.ndim, dims, precision, acc)
     grad_rhs = _grad_rhs(lq, gq, rq.ndim, dims, precision, acc)
     return grad_lhs.astype(lhs_dtype), grad_rhs.astype(rhs_dtype)
