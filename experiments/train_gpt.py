@@ -766,7 +766,13 @@ def _run_timing(runs, cfg, args, params32, batches, meta) -> list[dict]:
     return [{"name": n, **t} for n, t in timing.items()]
 
 
-SAME_SETTINGS = ("data", "model", "steps", "batch", "optimizer", "eval", "seed", "eval_seed")
+SAME_SETTINGS = ("model", "steps", "batch", "optimizer", "eval", "seed", "eval_seed")
+
+
+def _same_data(meta: dict, other: dict) -> bool:
+    """The same text file: name and number of characters (the path depends on where a run started)."""
+    same_name = Path(meta.get("data", "")).name == Path(other.get("data", "")).name
+    return same_name and meta.get("chars") == other.get("chars")
 
 
 def merge_results(paths: list[str], out: Path) -> list[dict]:
@@ -779,6 +785,7 @@ def merge_results(paths: list[str], out: Path) -> list[dict]:
     meta = saved[0]["meta"]
     for other, path in zip(saved[1:], paths[1:]):
         differ = [k for k in SAME_SETTINGS if other["meta"].get(k) != meta.get(k)]
+        differ += [] if _same_data(meta, other["meta"]) else ["data"]
         if differ:
             raise SystemExit(f"error: {path} was run with other settings ({', '.join(differ)}) than {paths[0]}.")
     results = {}
