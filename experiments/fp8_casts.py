@@ -12,11 +12,11 @@ Two measurements on the first batch and the initial weights of ``experiments.tra
 2. **The gradients.** The relative error ``|g - g32| / |g32|`` of every parameter tensor's
    gradient (each block separately) against the FP32 gradient at the same weights.
 
-Both are run with the library's FP8 matmul as it is (what is cast to 8 bits is rescaled to
-unit RMS first, ``jax_scalify.nn.cast_dot.rescale_before_cast``) and with that rescale
-switched off in this process (``--without-cast-rescale``: the casts act on the propagated
-data, as before the rescale existed), and for comparison the paper's manual placement
-(static policy, ``dynamic_rescale_l2_grad`` on every LayerNorm input) and scaled FP16.
+Both are run with the library's FP8 matmul as it is (the output cotangent is rescaled to
+unit RMS before its E5M2 cast, ``jax_scalify.nn.cast_dot.rescale_before_cast``) and with
+that rescale switched off in this process (the cast acts on the propagated data, as before
+the rescale existed), and for comparison the paper's manual placement (static policy,
+``dynamic_rescale_l2_grad`` on every LayerNorm input) and scaled FP16.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ F16 = jnp.float16
 
 @contextlib.contextmanager
 def cast_rescale(enabled: bool) -> Iterator[None]:
-    """The FP8 matmuls of this process with (the library) or without the rescale before their casts."""
+    """The FP8 matmuls of this process with (the library) or without the rescale before their E5M2 cast."""
     original = cast_dot.rescale_before_cast
     if not enabled:
         cast_dot.rescale_before_cast = lambda x, dtype: x
@@ -96,9 +96,9 @@ def relative_errors(grads, reference) -> dict[str, float]:
 
 VARIANTS = {
     "scalify FP16": (Precision(compute=F16), jsa.RescalePolicy(), True),
-    "scalify FP8 (casts rescaled)": (Precision(compute=F16, fp8=True), jsa.RescalePolicy(), True),
-    "scalify FP8 (casts not rescaled)": (Precision(compute=F16, fp8=True), jsa.RescalePolicy(), False),
-    "scalify FP8, manual placement, casts not rescaled": (
+    "scalify FP8 (cotangent rescaled)": (Precision(compute=F16, fp8=True), jsa.RescalePolicy(), True),
+    "scalify FP8 (cotangent not rescaled)": (Precision(compute=F16, fp8=True), jsa.RescalePolicy(), False),
+    "scalify FP8, manual placement, cotangent not rescaled": (
         Precision(compute=F16, fp8=True, ln_grad_rescale=True),
         jsa.RescalePolicy.static(),
         False,
