@@ -777,7 +777,8 @@ def _same_data(meta: dict, other: dict) -> bool:
 
 def merge_results(paths: list[str], out: Path) -> list[dict]:
     """Merge the ``gpt_results.json`` of several runs of the same settings (configurations
-    run in separate processes) into ``out``, in order, a configuration kept once."""
+    run in separate processes) into ``out``: a configuration is kept from the first file
+    that has it, and the configurations are listed in the order of ``CONFIGS``."""
     saved = []
     for path in paths:
         with open(path) as f:
@@ -792,11 +793,11 @@ def merge_results(paths: list[str], out: Path) -> list[dict]:
     for part in saved:
         for r in part["results"]:
             results.setdefault(r["name"], r)
+    order = list(CONFIGS)
+    merged = sorted(results.values(), key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
     commits = sorted({s["meta"].get("commit") or "unknown" for s in saved})
-    write_outputs(
-        list(results.values()), {**meta, "commit": ", ".join(commits), "merged_from": list(map(str, paths))}, out
-    )
-    return list(results.values())
+    write_outputs(merged, {**meta, "commit": ", ".join(commits), "merged_from": list(map(str, paths))}, out)
+    return merged
 
 
 def main(argv=None) -> None:
