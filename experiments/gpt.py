@@ -119,7 +119,8 @@ def linear(x: Array, w: Array, prec: Precision) -> Array:
     output gradient to E5M2 for the two backward matmuls (a custom VJP, so the weight
     gradient is not rounded to E4M3 as plain autodiff through a cast would do); the three
     matmuls produce FP16 results, cast back to the dtypes of ``x`` and ``w``. Under scalify
-    the casts keep the scales, so the FP8 data stays in range.
+    the casts keep the scales, and ``jsa.nn.linear`` rescales the output gradient to unit
+    RMS before its cast, so the FP8 data stays in range.
     """
     w = w.astype(prec.compute)
     if prec.fp8:

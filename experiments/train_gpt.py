@@ -766,12 +766,19 @@ def _run_timing(runs, cfg, args, params32, batches, meta) -> list[dict]:
     return [{"name": n, **t} for n, t in timing.items()]
 
 
-SAME_SETTINGS = ("data", "model", "steps", "batch", "optimizer", "eval", "seed", "eval_seed")
+SAME_SETTINGS = ("model", "steps", "batch", "optimizer", "eval", "seed", "eval_seed")
+
+
+def _same_data(meta: dict, other: dict) -> bool:
+    """The same text file: name and number of characters (the path depends on where a run started)."""
+    same_name = Path(meta.get("data", "")).name == Path(other.get("data", "")).name
+    return same_name and meta.get("chars") == other.get("chars")
 
 
 def merge_results(paths: list[str], out: Path) -> list[dict]:
     """Merge the ``gpt_results.json`` of several runs of the same settings (configurations
-    run in separate processes) into ``out``, in order, a configuration kept once."""
+    run in separate processes) into ``out``: a configuration is kept from the first file
+    that has it, and the configurations are listed in the order of ``CONFIGS``."""
     saved = []
     for path in paths:
         with open(path) as f:
@@ -779,17 +786,18 @@ def merge_results(paths: list[str], out: Path) -> list[dict]:
     meta = saved[0]["meta"]
     for other, path in zip(saved[1:], paths[1:]):
         differ = [k for k in SAME_SETTINGS if other["meta"].get(k) != meta.get(k)]
+        differ += [] if _same_data(meta, other["meta"]) else ["data"]
         if differ:
             raise SystemExit(f"error: {path} was run with other settings ({', '.join(differ)}) than {paths[0]}.")
     results = {}
     for part in saved:
         for r in part["results"]:
             results.setdefault(r["name"], r)
+    order = list(CONFIGS)
+    merged = sorted(results.values(), key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
     commits = sorted({s["meta"].get("commit") or "unknown" for s in saved})
-    write_outputs(
-        list(results.values()), {**meta, "commit": ", ".join(commits), "merged_from": list(map(str, paths))}, out
-    )
-    return list(results.values())
+    write_outputs(merged, {**meta, "commit": ", ".join(commits), "merged_from": list(map(str, paths))}, out)
+    return merged
 
 
 def main(argv=None) -> None:

@@ -1,22 +1,34 @@
 """Record the scale statistics of every intermediate value of a scalified function.
 
-:func:`record_scales` runs ``jsa.scalify(fun)`` eagerly (under ``jax.disable_jit()``, so
-values are concrete) and, through :func:`jax_scalify.extend.observe_equations`, records one
-:class:`ScaleRecord` per floating array output of every evaluated equation: the primitive,
-the user source line, the pass (forward, backward, update), and the log2 RMS of the value,
-of the data and the log2 scale, with the fractions of data elements that are zero,
-non-finite, subnormal (underflow) or above the dtype's maximum (overflow).
+:func:`record_scales` runs ``jax.jit(jsa.scalify(fun))``, the program a training loop runs,
+and, through :func:`jax_scalify.extend.observe_equations`, puts a host callback
+(``jax.debug.callback``) on every floating array output of every equation the interpreter
+evaluates. The callbacks run with the values the compiled program computes and record one
+:class:`ScaleRecord` each: the primitive, the user source line, the pass (forward,
+backward, update), and the log2 RMS of the value, of the data and the log2 scale, with the
+fractions of data elements that are zero, non-finite, subnormal (underflow) or above the
+dtype's maximum (overflow).
+
+Recording inside the compiled program (rather than evaluating ``scalify`` eagerly under
+``jax.disable_jit()``, as earlier versions did) matters in two ways: eager evaluation sees
+every value as a trace-time constant, and ``scalify`` treats constants differently (it
+splits them exactly into a power-of-two scale), so the scales of an eager run may differ
+from those of the jitted step; and a body traced and then discarded (a loop body retraced
+until its carry structure is stable) puts no callback in the program, so only what the
+program computes is recorded.
 
 What is left out:
 
 - scalars (0-d outputs), integer and boolean outputs, empty arrays;
 - the outputs of equations that hold sub-jaxprs (``scan``, ``cond``, a ``jit`` evaluated
-  from a cached trace ...) when the equations inside them were recorded. A ``scan`` or
-  ``while`` body is recorded once per iteration. The rule of ``checkpoint``/``remat``
-  evaluates its body on tracers, so only its outputs are recorded (op ``remat2``);
+  from a cached trace ...) when the equations inside them were observed. A ``scan`` or
+  ``while`` body is recorded once per iteration it runs, a ``cond`` branch only when it is
+  taken;
 - plain (unscaled) outputs of jax_scalify's own code, e.g. the statistics that
   ``dynamic_rescale`` computes on the data (``include_internal=True`` keeps them); the
   rescaled values (``rebalance``) are kept.
+
+Records are in the order the host receives the callbacks (execution order on one device).
 
 Passes: an equation whose JAX name stack contains ``transpose`` is in the ``"backward"``
 pass (``jax.grad`` transposes the linearised forward); any other equation is
@@ -28,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -215,12 +228,6 @@ def is_backward(name_stack: str) -> bool:
 
 
 # --- recording ----------------------------------------------------------------------------------
-def _is_tracer(x: Any) -> bool:
-    if isinstance(x, ScaledArray):
-        return _is_tracer(x.data) or _is_tracer(x.scale)
-    return isinstance(x, jax.core.Tracer)
-
-
 def _is_recordable(x: Any) -> bool:
     """Floating arrays with at least one dimension and one element."""
     data = x.data if isinstance(x, ScaledArray) else x
@@ -229,15 +236,36 @@ def _is_recordable(x: Any) -> bool:
     return len(data.shape) > 0 and math.prod(data.shape) > 0
 
 
+@dataclasses.dataclass
+class _Site:
+    """What is known of a recorded value at trace time; the callback adds the statistics.
+
+    ``name_stack`` may still grow after the site is made: JAX traces a loop body or a
+    branch under a fresh name stack, so the stack of the equation that holds the body is
+    prefixed once that equation is observed (``top``: the outermost equation seen so far
+    whose sub-jaxprs contain this value's equation).
+    """
+
+    op: str
+    source: str
+    name_stack: str
+    scaled: bool
+    top: int
+
+
 class ScaleRecorder:
     """Context manager recording the scales of every value ``scalify`` computes inside it.
 
-    It disables ``jax.jit`` while active so that values are concrete; jitted and scalified
-    functions called inside it are recorded too::
+    Every scalified function called inside it gets a host callback on each recorded value
+    (see the module docstring): a jitted one records what its compiled program computes, an
+    eager one what the eager evaluation computes::
 
         with ScaleRecorder() as recorder:
             update(params, batch)                  # a @jsa.scalify function (jitted or not)
         print(recorder.report().to_table())
+
+    JAX's caches are cleared on entry and on exit, so a function compiled before is traced
+    again with the callbacks, and the traces with callbacks are not reused afterwards.
 
     Args:
         include_internal: also record the plain (unscaled) intermediate values of
@@ -247,41 +275,55 @@ class ScaleRecorder:
     def __init__(self, include_internal: bool = False):
         self.include_internal = include_internal
         self.records: list[ScaleRecord] = []
-        self._concrete: dict[int, JaxprEqn] = {}  # eqns seen with concrete values (kept alive: ids stay unique)
+        self._observed: dict[int, JaxprEqn] = {}  # eqns observed (kept alive: ids stay unique)
+        self._sites: list[_Site] = []
         self._seen_backward = False
         self._stack: contextlib.ExitStack | None = None
 
     def __enter__(self) -> ScaleRecorder:
         if self._stack is not None:
             raise RuntimeError("This ScaleRecorder is already active; use a new one for a nested recording.")
+        jax.clear_caches()
         self._stack = contextlib.ExitStack()
-        self._stack.enter_context(jax.disable_jit())
         self._stack.enter_context(observe_equations(self._observe))
         return self
 
     def __exit__(self, *exc_info) -> None:
         stack, self._stack = self._stack, None
         stack.close()
+        jax.effects_barrier()  # every callback of the recorded calls has run
+        jax.clear_caches()
 
     def report(self, outputs: Any = None) -> ScaleReport:
         """The records so far as a :class:`ScaleReport`."""
         return ScaleReport(list(self.records), outputs)
 
     def _observe(self, eqn: JaxprEqn, inputs: list, outputs: list) -> None:
-        if any(_is_tracer(x) for x in outputs):
-            return  # abstract evaluation (e.g. tracing the body of a remat): no values to record
-        self._concrete[id(eqn)] = eqn
+        self._observed[id(eqn)] = eqn
         name_stack = full_name_stack(eqn)
-        phase = self._phase(name_stack)
-        if self._inner_equations_recorded(eqn):
+        if self._inner_equations_observed(eqn):
+            self._prefix_inner_sites(eqn, name_stack)
             return
         source, internal = user_source(eqn)
         for out in outputs:
             if not _is_recordable(out):
                 continue
-            if internal and not self.include_internal and not isinstance(out, ScaledArray):
+            scaled = isinstance(out, ScaledArray)
+            if internal and not self.include_internal and not scaled:
                 continue
-            self.records.append(self._record(eqn, out, phase, source, name_stack))
+            site = _Site(eqn.primitive.name, source, name_stack, scaled, id(eqn))
+            self._sites.append(site)
+            data, scale = (out.data, out.scale) if scaled else (out, np.float32(1.0))
+            jax.debug.callback(functools.partial(self._receive, site), data, scale, ordered=True)
+
+    def _prefix_inner_sites(self, eqn: JaxprEqn, name_stack: str) -> None:
+        """Give the sites of the equations inside ``eqn``'s sub-jaxprs ``eqn``'s name stack."""
+        inner = {id(e) for sub in jaxprs_in_params(eqn.params) for e in getattr(sub, "jaxpr", sub).eqns}
+        for site in self._sites:
+            if site.top in inner:
+                if not site.name_stack.startswith(name_stack):
+                    site.name_stack = f"{name_stack}/{site.name_stack}" if site.name_stack else name_stack
+                site.top = id(eqn)
 
     def _phase(self, name_stack: str) -> str:
         if is_backward(name_stack):
@@ -291,42 +333,57 @@ class ScaleRecorder:
             return UPDATE
         return FORWARD
 
-    def _inner_equations_recorded(self, eqn: JaxprEqn) -> bool:
+    def _inner_equations_observed(self, eqn: JaxprEqn) -> bool:
         for sub in jaxprs_in_params(eqn.params):
             sub = getattr(sub, "jaxpr", sub)
-            if any(id(inner) in self._concrete for inner in sub.eqns):
+            if any(id(inner) in self._observed for inner in sub.eqns):
                 return True
         return False
 
-    def _record(self, eqn: JaxprEqn, out: Any, phase: str, source: str, name_stack: str) -> ScaleRecord:
-        scaled = isinstance(out, ScaledArray)
-        data = np.asarray(out.data if scaled else out)
-        scale = np.asarray(out.scale) if scaled else np.float32(1.0)
-        return ScaleRecord(
-            index=len(self.records),
-            op=eqn.primitive.name,
-            phase=phase,
-            source=source,
-            function=_function_of(source),
-            name_stack=name_stack,
-            shape=tuple(int(d) for d in data.shape),
-            dtype=str(data.dtype),
-            scaled=scaled,
-            **scale_statistics(data, scale),
-            **data_fractions(data),
+    def _receive(self, site: _Site, data: Any, scale: Any) -> None:
+        data, scale = np.asarray(data), np.asarray(scale)
+        self.records.append(
+            ScaleRecord(
+                index=len(self.records),
+                op=site.op,
+                phase=self._phase(site.name_stack),
+                source=site.source,
+                function=_function_of(site.source),
+                name_stack=site.name_stack,
+                shape=tuple(int(d) for d in data.shape),
+                dtype=str(data.dtype),
+                scaled=site.scaled,
+                **scale_statistics(data, scale),
+                **data_fractions(data),
+            )
         )
 
 
+def _jit_on_arrays(fun: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``jax.jit(fun)(*args, **kwargs)`` with the array leaves traced and the other leaves static."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    traced = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
+
+    def call(arrays):
+        it = iter(arrays)
+        full = [next(it) if t else x for x, t in zip(leaves, traced)]
+        call_args, call_kwargs = jax.tree.unflatten(treedef, full)
+        return fun(*call_args, **call_kwargs)
+
+    return jax.jit(call)([x for x, t in zip(leaves, traced) if t])
+
+
 def record_scales(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> ScaleReport:
-    """Run ``jsa.scalify(fun)(*args, **kwargs)`` eagerly and record the scale of every value.
+    """Run ``jax.jit(jsa.scalify(fun))(*args, **kwargs)`` and record the scale of every value.
 
     ``fun`` may be a plain function or one already wrapped with ``jsa.scalify`` (and
-    ``jax.jit``). With unscaled inputs, values stay plain until they meet a scaled one, so
+    ``jax.jit``). Array arguments are traced, other arguments (Python numbers, functions)
+    are static. With unscaled inputs, values stay plain until they meet a scaled one, so
     data equals value and the log2 scale is 0. The outputs of the call are in
-    ``report.outputs``. Use :class:`ScaleRecorder` for options.
+    ``report.outputs``. Use :class:`ScaleRecorder` for options (or to record an eager call).
     """
     with ScaleRecorder() as recorder:
-        outputs = scalify(fun)(*args, **kwargs)
+        outputs = jax.block_until_ready(_jit_on_arrays(scalify(fun), args, kwargs))
     return recorder.report(outputs)
 
 

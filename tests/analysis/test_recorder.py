@@ -111,9 +111,10 @@ def test_dynamic_rescale_grad_keeps_the_rescaled_value_and_hides_its_statistics(
     assert 0.0 <= rescale.log2_rms_data < 1.0  # RMS in [1, 2) after the rescale (rounded down)
 
 
-def test_recorder_context_runs_jitted_scalified_functions_eagerly():
+def test_recorder_context_records_jitted_scalified_functions_compiled_before():
     update = jax.jit(jsa.scalify(lambda a: jax.jit(lambda b: b * 4.0)(a) + 1.0))
     x = jsa.as_scaled_array(jnp.ones((2, 3), jnp.float16))
+    update(x)  # compiled without the recorder: the recorder traces it again
     with ScaleRecorder() as recorder:
         out = update(x)
     assert [r.op for r in recorder.records] == ["mul", "add"]
@@ -127,6 +128,53 @@ def test_scan_records_every_iteration():
 
     report = record_scales(f, jsa.as_scaled_array(jnp.ones((2, 2))))
     assert [r.op for r in report] == ["mul", "tanh"] * 3
+
+
+def _growing_carry_scan(h, w, seen=None):
+    """A residual scan whose carry data grows; ``seen`` collects the body's carry data as the program has it."""
+
+    def body(c, _):
+        if seen is not None:
+            data, _ = jsa.lax.get_data_scale(c)
+            jax.debug.callback(lambda d: seen.append(np.asarray(d)), data, ordered=True)
+        return c + jnp.tanh((c * 2.0) @ w), None  # `c * 2.0` keeps c's data: only its scale doubles
+
+    return jax.lax.scan(body, h, None, length=4)[0]
+
+
+def test_records_the_data_of_the_jitted_program():
+    # The default policy rescales the carry at every iteration of the compiled scan; the
+    # recorder sees the carry data that the compiled program's own callback sees.
+    h = jsa.as_scaled_array(jax.random.normal(jax.random.PRNGKey(0), (4, 8))).astype(jnp.float16)
+    w = jsa.as_scaled_array(jax.random.normal(jax.random.PRNGKey(1), (8, 8)) / 3).astype(jnp.float16)
+    seen = []
+    jax.block_until_ready(jax.jit(jsa.scalify(lambda h, w: _growing_carry_scan(h, w, seen)))(h, w))
+    jax.effects_barrier()
+    recorded = [r.log2_rms_data for r in record_scales(_growing_carry_scan, h, w).select(op="mul")]
+    assert len(seen) == len(recorded) == 4
+    assert recorded == pytest.approx([log2_rms(d) for d in seen], abs=1e-9)
+    assert max(recorded) < 1.0  # every carry rescaled to a data RMS below 2 (rounded down)
+
+
+def test_backward_of_a_scan_body_is_recorded_as_backward():
+    def step(h, w):
+        return jax.grad(lambda w: jnp.mean(_growing_carry_scan(h, w) ** 2))(w)
+
+    h = jsa.as_scaled_array(jnp.ones((4, 8), jnp.float16))
+    w = jsa.as_scaled_array(jnp.full((8, 8), 0.1, jnp.float16))
+    report = record_scales(step, h, w)
+    assert len(report.select("backward", op="dot_general")) == 8  # two per iteration, none outside the scan
+    assert all("transpose" in r.name_stack for r in report.select("backward"))
+    assert not report.select("update")
+
+
+def test_cond_records_the_taken_branch_only():
+    def f(x, pred):
+        return jax.lax.cond(pred, lambda a: jnp.tanh(a), lambda a: jnp.sin(a) * 2.0, x)
+
+    x = jsa.as_scaled_array(jnp.ones((2, 2), jnp.float16))
+    assert [r.op for r in record_scales(f, x, jnp.asarray(True))] == ["tanh"]
+    assert [r.op for r in record_scales(f, x, jnp.asarray(False))] == ["sin", "mul"]
 
 
 # --- views ----------------------------------------------------------------------------------------

@@ -136,3 +136,18 @@ def test_bad_arguments_raise():
         nn.linear(X, W[:3])
     with pytest.raises(TypeError, match="fwd_dtype must be a floating dtype"):
         nn.linear(X, W, fwd_dtype=jnp.int8)
+
+
+def test_small_output_gradients_keep_their_precision_under_scalify():
+    # A cotangent of RMS 2^-17 in the data (scale 1) is rescaled to unit RMS before its
+    # E5M2 cast; cast as it is, most of it would flush to zero.
+    g = G * np.float32(2.0**-17)
+    expected = jax.vjp(lambda x, w: x @ w, X, W)[1](g)
+    grads = jsa.scalify(lambda x, w, ct: jax.vjp(lambda x, w: nn.linear(x, w, **FP8), x, w)[1](ct))(
+        jsa.as_scaled_array(jnp.asarray(X)),
+        jsa.as_scaled_array(jnp.asarray(W)),
+        jsa.as_scaled_array(jnp.asarray(g), 1.0),
+    )
+    for got, want in zip(grads, expected):
+        assert np.linalg.norm(got.to_array() - want) / np.linalg.norm(want) < 0.15
+    assert np.mean(q(g, E5M2) == 0) > 0.5
