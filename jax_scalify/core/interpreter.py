@@ -361,7 +361,11 @@ def _eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> lis
             rescale_pending()
         invals = [read(v) for v in eqn.invars]
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        with (
+            source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+            eqn.ctx.manager,
+            rescale_policy.evaluating(eqn),
+        ):
             outvals = _eval_equation(eqn, invals)
         for observer in _trace_state.observers:
             observer(eqn, invals, outvals)

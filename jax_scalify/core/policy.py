@@ -120,6 +120,7 @@ def check_policy(policy: RescalePolicy | None) -> RescalePolicy:
 class _PolicyState(threading.local):
     def __init__(self):
         self.stack: list[tuple[RescalePolicy, dict[int, Any]]] = []
+        self.backward_depth = 0
 
 
 _state = _PolicyState()
@@ -213,8 +214,25 @@ def is_backward_equation(eqn: Any) -> bool:
 
 
 def in_backward_pass() -> bool:
-    """True while evaluating equations of a transposed (backward) computation."""
-    return _is_backward_stack(source_info_util.current_name_stack())
+    """True while evaluating a transposed (backward) computation, sub-jaxprs included.
+
+    JAX's name stack is reset where a nested ``jit`` or a loop body is traced, so the
+    interpreter also marks the evaluation of every backward equation (:func:`evaluating`):
+    the sub-jaxprs of a backward ``jit`` (``jax.nn.one_hot``, ``log_softmax``...) or of a
+    transposed ``scan`` are in the backward pass too.
+    """
+    return _state.backward_depth > 0 or _is_backward_stack(source_info_util.current_name_stack())
+
+
+@contextlib.contextmanager
+def evaluating(eqn: Any) -> Iterator[None]:
+    """Marks the evaluation of ``eqn`` as part of the backward pass if it is a backward equation."""
+    backward = is_backward_equation(eqn)
+    _state.backward_depth += backward
+    try:
+        yield
+    finally:
+        _state.backward_depth -= backward
 
 
 @functools.lru_cache(maxsize=4096)
@@ -243,6 +261,7 @@ __all__ = [
     "active_policy",
     "applying",
     "check_policy",
+    "evaluating",
     "gradient_boundary",
     "in_backward_pass",
     "is_backward_equation",

@@ -179,10 +179,10 @@ def test_a_plain_cotangent_entering_the_backward_pass_is_promoted_with_its_stati
         return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(labels, 32), -1))
 
     def weight_gradient_data(policy):
-        # Eager, op by op (as the recorder used to force): traced inside jax.jit (or nested
-        # jits such as jax.nn.one_hot's), the backward equations lose their transpose( name
-        # stack and the promotion does not happen (the weight gradient's data is at 2^-11).
-        with jax.disable_jit(), jsa.analysis.ScaleRecorder() as recorder:
+        # The recorder runs the jitted program: the backward equations of nested jits
+        # (jax.nn.one_hot, log_softmax) lose their transpose( name stack, and the
+        # interpreter still knows they are part of the backward pass.
+        with jsa.analysis.ScaleRecorder() as recorder:
             jsa.scalify(jax.grad(loss), policy=policy)(w, x, labels)
         (record,) = [r for r in recorder.report(None).select("backward", op="dot_general")]
         return record.log2_rms_data

@@ -206,6 +206,15 @@ def final_loss(losses: Sequence[float]) -> float:
     return float(np.mean(losses[-max(5, len(losses) // 10) :]))
 
 
-def relative_gap(loss: float, reference: float) -> float:
-    """``|loss - reference| / |reference|`` (inf for a non-finite loss)."""
-    return abs(loss - reference) / abs(reference) if np.isfinite(loss) else float("inf")
+def relative_excess(loss: float, reference: float) -> float:
+    """How much ``loss`` ends above ``reference``, relative to it (0 if below, inf if not finite).
+
+    The training checks ask that a low-precision run trains as well as float32: ending above
+    it is a failure, ending below it is not. Near the end of a long run the loss is small and
+    two runs whose rounding differs follow different trajectories: their final losses differ
+    by several percent either way (the NNX CNN, 100 steps: float32 0.0539, scalified FP16
+    0.0504, plain FP16 0.0611).
+    """
+    if not np.isfinite(loss):
+        return float("inf")
+    return max(0.0, (loss - reference) / abs(reference))

@@ -7,10 +7,11 @@ For each program (see the modules of this package):
   a relative error of at most ``1e-4`` (every output leaf: losses, parameters, optimizer
   and model state);
 - FP16: training with the recipe of :mod:`tests.programs.recipe` (scaled float16 state and
-  inputs) ends within 5% of the float32 loss; plain float16 (the same code on float16
+  inputs) ends at most 5% above the float32 loss (below is no failure, see
+  :func:`~tests.programs.harness.relative_excess`); plain float16 (the same code on float16
   arrays) runs beside it and its loss is reported, not checked;
 - FP8 (programs with dense layers): the FP8 recipe of ``jsa.nn.linear`` (E4M3 forward, E5M2
-  gradients) in every dense layer, on scaled float16 state, ends within 10% of float32.
+  gradients) in every dense layer, on scaled float16 state, ends at most 10% above float32.
 
 The invariance checks of five programs and the short FP16 runs of two (``DEFAULT_FP16``) are
 part of the default test run; the GPT's invariance, the other short FP16 runs, the FP8 runs
@@ -25,7 +26,7 @@ import numpy as np
 import pytest
 
 from . import cnn_nnx, conv_eqx, diffusion_linen, gpt_linen, gru_eqx, mlp_jax
-from .harness import Program, final_loss, invariance_errors, relative_gap, train
+from .harness import Program, final_loss, invariance_errors, relative_excess, train
 
 PROGRAMS = [m.PROGRAM for m in (gpt_linen, cnn_nnx, gru_eqx, conv_eqx, diffusion_linen, mlp_jax)]
 DENSE_PROGRAMS = [p for p in PROGRAMS if p.has_dense]
@@ -66,9 +67,9 @@ def check_fp16(program: Program, steps: int, record_property) -> None:
         record_property(f"final_loss_{mode}", loss)
     print(f"\n{program.name}, {steps} steps, final losses: " + ", ".join(f"{m} {v:.4f}" for m, v in final.items()))
     assert np.isfinite(final["fp32"]), f"{program.name}: the float32 run itself diverged"
-    gap = relative_gap(final["fp16_scalify"], final["fp32"])
-    assert gap <= FP16_TOLERANCE, (
-        f"{program.name}: scalified FP16 ends at {final['fp16_scalify']:.4f}, {gap:.1%} from FP32's "
+    excess = relative_excess(final["fp16_scalify"], final["fp32"])
+    assert excess <= FP16_TOLERANCE, (
+        f"{program.name}: scalified FP16 ends at {final['fp16_scalify']:.4f}, {excess:.1%} above FP32's "
         f"{final['fp32']:.4f} (plain FP16: {final['fp16_plain']:.4f})"
     )
 
@@ -77,8 +78,10 @@ def check_fp8(program: Program, steps: int, record_property) -> None:
     fp32, fp8 = (final_loss(losses(program, mode, steps)) for mode in ("fp32", "fp8_scalify"))
     record_property("final_loss_fp8_scalify", fp8)
     print(f"\n{program.name}, {steps} steps, final losses: fp32 {fp32:.4f}, fp8_scalify {fp8:.4f}")
-    gap = relative_gap(fp8, fp32)
-    assert gap <= FP8_TOLERANCE, f"{program.name}: scalified FP8 ends at {fp8:.4f}, {gap:.1%} from FP32's {fp32:.4f}"
+    excess = relative_excess(fp8, fp32)
+    assert excess <= FP8_TOLERANCE, (
+        f"{program.name}: scalified FP8 ends at {fp8:.4f}, {excess:.1%} above FP32's {fp32:.4f}"
+    )
 
 
 # Training compiles three steps
