@@ -12,11 +12,12 @@ Two measurements on the first batch and the initial weights of ``experiments.tra
 2. **The gradients.** The relative error ``|g - g32| / |g32|`` of every parameter tensor's
    gradient (each block separately) against the FP32 gradient at the same weights.
 
-Both are run with the library's FP8 matmul as it is (the output cotangent is rescaled to
-unit RMS before its E5M2 cast, ``jax_scalify.nn.cast_dot.rescale_before_cast``) and with
-that rescale switched off in this process (the cast acts on the propagated data, as before
-the rescale existed), and for comparison the paper's manual placement (static policy,
-``dynamic_rescale_l2_grad`` on every LayerNorm input) and scaled FP16.
+Run for scalify FP16, scalify FP8 (default policy, no rescale call in the model) and the
+paper's manual placement (static policy, ``dynamic_rescale_l2_grad`` on every LayerNorm
+input). Before the known constants of the loss (``jax.grad``'s seed times the batch mean's
+``1/N``) were carried into nested jits, the cotangent entered the backward pass at scale 1
+with ``1/N`` in its data: this script then showed the E5M2 casts of the first backward
+block at data near 2^-16 (35-89% flushed to zero) and a median gradient error of 0.177.
 """
 
 from __future__ import annotations
@@ -39,24 +40,12 @@ F16 = jnp.float16
 
 
 @contextlib.contextmanager
-def cast_rescale(enabled: bool) -> Iterator[None]:
-    """The FP8 matmuls of this process with (the library) or without the rescale before their E5M2 cast."""
-    original = cast_dot.rescale_before_cast
-    if not enabled:
-        cast_dot.rescale_before_cast = lambda x, dtype: x
-    try:
-        yield
-    finally:
-        cast_dot.rescale_before_cast = original
-
-
-@contextlib.contextmanager
 def probed_casts(log: list) -> Iterator[None]:
     """Every FP8 cast of ``jsa.nn``'s matmuls reports the data it casts to ``log`` (at run time)."""
     original = cast_dot._cast
 
     def probe(x, dtype):
-        if cast_dot.is_8bit_float(dtype):
+        if dtype is not None and np.dtype(dtype).itemsize == 1:
             data, scale = jsa.lax.get_data_scale(x)
             jax.debug.callback(lambda d, s: log.append(cast_statistics(d, s, dtype)), data, scale, ordered=True)
         return original(x, dtype)
@@ -95,27 +84,25 @@ def relative_errors(grads, reference) -> dict[str, float]:
 
 
 VARIANTS = {
-    "scalify FP16": (Precision(compute=F16), jsa.RescalePolicy(), True),
-    "scalify FP8 (cotangent rescaled)": (Precision(compute=F16, fp8=True), jsa.RescalePolicy(), True),
-    "scalify FP8 (cotangent not rescaled)": (Precision(compute=F16, fp8=True), jsa.RescalePolicy(), False),
-    "scalify FP8, manual placement, cotangent not rescaled": (
+    "scalify FP16": (Precision(compute=F16), jsa.RescalePolicy()),
+    "scalify FP8": (Precision(compute=F16, fp8=True), jsa.RescalePolicy()),
+    "scalify FP8, manual placement": (
         Precision(compute=F16, fp8=True, ln_grad_rescale=True),
         jsa.RescalePolicy.static(),
-        False,
     ),
 }
 
 
 def first_step(variant: str, params32, batch, cfg: GPTConfig) -> tuple[dict, list]:
     """The float32 gradients of ``variant`` at the initial weights, and its casts' statistics."""
-    prec, policy, rescaled = VARIANTS[variant]
+    prec, policy = VARIANTS[variant]
     params = jsa.tree.astype(jsa.as_scaled_array(params32), F16)
     grad = jsa.scalify(jax.grad(lambda p, b: loss_fn(p, b, cfg, prec)), policy=policy)
     as_f32 = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jnp.asarray(jsa.asarray(x), jnp.float32), tree, is_leaf=jsa.is_scaled_leaf
     )
     log: list = []
-    with cast_rescale(rescaled), probed_casts(log):
+    with probed_casts(log):
         grads = jax.block_until_ready(jax.jit(lambda p, b: as_f32(grad(p, b)))(params, batch))
         jax.effects_barrier()
     return grads, log

@@ -4,10 +4,6 @@
 output cotangent cast to ``bwd_dtype``; :func:`cast_dot_general` binds the two formats and
 returns a callable with ``lax.dot_general``'s signature, which Flax layers take as their
 ``dot_general=`` argument. :func:`jax_scalify.nn.linear` is built on the same matmul.
-
-Under ``scalify``, an output cotangent cast to an 8-bit format is first rescaled to unit
-RMS (:func:`rescale_before_cast`, per-tensor current scaling), so the backward casts do not
-depend on how well the backward pass's static scales followed the values.
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ import numpy as np
 from jax import lax
 
 from ..core.array import is_floating_dtype
-from ..ops.rescaling import dynamic_rescale, l2_norm, strided_sample
 
 Array = Any
 DTypeLike = Any
@@ -47,36 +42,6 @@ def as_float_dtype(caller: str, name: str, dtype: DTypeLike) -> DType:
 
 def _cast(x: Array, dtype: DType) -> Array:
     return x if dtype is None else lax.convert_element_type(x, dtype)
-
-
-CAST_SAMPLE_SIZE = 4096
-
-
-def sampled_rms(data: Array) -> Array:
-    """Root mean square of a strided sample of at most about ``CAST_SAMPLE_SIZE`` entries of ``data``."""
-    return l2_norm(strided_sample(data, CAST_SAMPLE_SIZE))
-
-
-def is_8bit_float(dtype: DType) -> bool:
-    return dtype is not None and np.dtype(dtype).itemsize == 1
-
-
-def rescale_before_cast(x: Array, dtype: DType) -> Array:
-    """``x`` with its data brought to unit RMS under ``scalify`` before a cast to an 8-bit ``dtype``.
-
-    Per-tensor current scaling: the RMS of a strided sample of the data (at most about
-    ``CAST_SAMPLE_SIZE`` entries), rounded to a power of two, moves into the scale
-    (``jsa.ops.dynamic_rescale`` with :func:`sampled_rms`), so the cast sees data near 1
-    whatever the propagated scale. An 8-bit format has no range to spare around its
-    precision (E5M2: normals from 2^-14, zero below 2^-17), and a static scale can be many
-    powers of two off: the output cotangent reaching a GPT's first transposed block was at
-    2^-16 in the data, so 35-89% of it flushed to zero in E5M2. Values are unchanged (exact
-    power-of-two factors); outside ``scalify``, and for wider formats, ``x`` is returned as
-    it is. The cost is one sampled reduction per cast. :func:`dot_general` applies it to
-    the output cotangent only: the forward operands are unit-scaled by the rules, and
-    rescaling them too cost about 30% of a GPT training step on CPU for no measured gain.
-    """
-    return dynamic_rescale(x, sampled_rms) if is_8bit_float(dtype) else x
 
 
 def _free_dims(ndim: int, contracting: Sequence[int], batch: Sequence[int]) -> tuple[int, ...]:
@@ -166,7 +131,7 @@ def _cast_matmul_fwd(lhs, rhs, dims, precision, fwd, bwd, acc, out_dtype, lhs_dt
 
 def _cast_matmul_bwd(dims, precision, fwd, bwd, acc, out_dtype, lhs_dtype, rhs_dtype, out_sharding, residuals, g):
     lq, rq = residuals
-    gq = _cast(rescale_before_cast(g, bwd), bwd)
+    gq = _cast(g, bwd)
     grad_lhs = _grad_lhs(gq, rq, lq.ndim, dims, precision, acc)
     grad_rhs = _grad_rhs(lq, gq, rq.ndim, dims, precision, acc)
     return grad_lhs.astype(lhs_dtype), grad_rhs.astype(rhs_dtype)
@@ -232,15 +197,9 @@ def dot_general(
 
     Scale rule: none of its own; under ``scalify`` the casts keep the scale and the matmuls use
     the ``dot_general`` rule (``s = sl * sr * r``, ``r = pow2(sqrt(K))``, the ``1/r`` applied to
-    the wider accumulator since FP8 operands have no range to spare), so the forward casts
-    act on the operands' data as propagated (unit-scaled by the rules). Before the cast of
-    the output cotangent to an 8-bit ``bwd_dtype``, its data are rescaled to unit RMS
-    (:func:`rescale_before_cast`: the RMS of a strided sample, rounded to a power of two,
-    moves into the scale): the static scales of a backward pass drift from the values (the
-    cotangent entering it carries the loss's ``1/N``), and E5M2 flushes data below 2^-17
-    to zero. The gradients then do not depend on how the cotangent is split between data
-    and scale. Outside ``scalify`` it is the plain cast matmul; without casts it is
-    ``lax.dot_general`` exactly.
+    the wider accumulator since FP8 operands have no range to spare), so the FP8 casts act on
+    unit-scaled data, the point of scale propagation. Outside ``scalify`` it is the plain cast
+    matmul; without casts it is ``lax.dot_general`` exactly.
     """
     fwd = as_float_dtype("jsa.nn.dot_general", "fwd_dtype", fwd_dtype)
     bwd = as_float_dtype("jsa.nn.dot_general", "bwd_dtype", bwd_dtype)

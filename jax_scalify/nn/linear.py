@@ -62,11 +62,8 @@ def linear(
     Scale rule: none of its own; under ``scalify`` the casts keep the scale and the matmuls
     use the ``dot_general`` rule (``s = sx * sw * r``, ``r = pow2(sqrt(K))``, the ``1/r``
     applied to the float32 accumulator since FP8 operands have no range to spare), so FP8
-    operands are unit-scaled before the cast. The output cotangent is rescaled to unit
-    RMS, from a strided sample of its data, before its cast to an 8-bit ``bwd_dtype``
-    (:func:`jax_scalify.nn.cast_dot.rescale_before_cast`): the static scales of a backward
-    pass drift from the values, and an unrescaled E5M2 cotangent can lose most of its
-    entries to underflow. Values are unchanged. Without casts it is ``x @ w + b`` exactly.
+    operands are unit-scaled before the cast, the point of scale propagation. Without
+    casts it is ``x @ w + b`` exactly.
     """
     fwd = as_float_dtype("jsa.nn.linear", "fwd_dtype", fwd_dtype)
     bwd = as_float_dtype("jsa.nn.linear", "bwd_dtype", bwd_dtype)
