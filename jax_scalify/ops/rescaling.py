@@ -454,4 +454,6 @@ __all__ = [
     "dynamic_rescale_l2_grad",
     "dynamic_rescale_max",
     "dynamic_rescale_max_grad",
+    "dynamic_rescale_p",
+    "scaled_dynamic_rescale",
 ]
