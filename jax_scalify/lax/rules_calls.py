@@ -38,6 +38,7 @@ from ..core.array import ScaledArray
 from ..core.config import ScalifyConfig, get_scalify_config
 from ..core.constants import constant_value, known_scalar
 from ..core.interpreter import eval_closed_jaxpr
+from ..core.policy import RescalePolicy, active_policy, in_backward_pass
 from ..core.promotion import is_any_scale
 from ..core.registry import lax_primitive, register_scaled_lax_op, register_scaled_op
 
@@ -65,9 +66,22 @@ class _CallSignature(NamedTuple):
 
 @functools.lru_cache(maxsize=1024)
 def _jitted_body(
-    jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, signature: _CallSignature, config: ScalifyConfig
+    jaxpr: ClosedJaxpr,
+    name: str,
+    inline: bool,
+    keep_unused: bool,
+    signature: _CallSignature,
+    config: ScalifyConfig,
+    policy: RescalePolicy,
+    backward: bool,
 ):
-    """One ``jax.jit`` per sub-jaxpr, :class:`_CallSignature` and configuration (JAX caches compilations)."""
+    """One ``jax.jit`` per sub-jaxpr, :class:`_CallSignature`, configuration and policy context.
+
+    JAX caches the trace of the returned function, so everything that changes what the
+    scaled body computes is in the key: the configuration, the active rescale policy and
+    whether the call is part of the backward pass (plain cotangents are promoted with
+    their statistic there; gradients are not rescaled inside it).
+    """
     baked = {
         i: (np.asarray(v, dtype), shape, np.asarray(e, e_dtype))
         for i, dtype, shape, v, e_dtype, e in signature.constants
@@ -132,7 +146,8 @@ def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: 
         else:
             dynamic.append(arg)
     signature = _CallSignature(tuple(known), tuple(const_scales))
-    body = _jitted_body(jaxpr, name, inline, keep_unused, signature, get_scalify_config())
+    context = (get_scalify_config(), active_policy(), in_backward_pass())
+    body = _jitted_body(jaxpr, name, inline, keep_unused, signature, *context)
     return body(*dynamic)
 
 

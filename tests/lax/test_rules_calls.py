@@ -102,3 +102,21 @@ def test_closed_call_is_emitted_by_the_case():
 
 def test_call_rules_are_exported():
     assert jsa.lax.scaled_closed_call is rules_calls.scaled_closed_call
+
+
+def _loop_in_a_nested_jit():
+    inner = jax.jit(lambda x: jax.lax.fori_loop(0, 4, lambda i, h: h * 3.0, x))
+    return lambda x: inner(x)
+
+
+def test_a_nested_jit_is_evaluated_under_the_policy_of_its_caller():
+    # The scaled body of a jitted call is cached per sub-jaxpr: the policy (here: whether the
+    # loop carry is rescaled) must be part of that cache, or the second policy reuses the first's.
+    x = jsa.as_scaled_array(jnp.ones(8))
+    shared = _loop_in_a_nested_jit()
+    default_first = jsa.scalify(shared)(x)
+    static_after = jsa.scalify(shared, policy=jsa.RescalePolicy.static())(x)
+    static_alone = jsa.scalify(_loop_in_a_nested_jit(), policy=jsa.RescalePolicy.static())(x)
+    assert float(static_after.scale) == float(static_alone.scale) == 256.0  # 3 = 4 * 0.75, four times
+    assert float(default_first.scale) == 64.0  # the carry rescaled to its RMS, 81
+    np.testing.assert_allclose(static_after.to_array(), 81.0)
