@@ -202,6 +202,7 @@ def _printed(capsys) -> tuple[list[float], list[float]]:
     ]
 
 
+@pytest.mark.slow  # a GPT step compiled for one print; tests/ops/test_debug.py covers debug_print by default
 def test_debug_print_inside_the_scalified_step(capsys):
     """``jax.debug.print`` in the loss (under value_and_grad) and after it prints values, as the plain step does."""
     params, opt_state, tokens, targets = _problem(2, CFG_UNTIED)
