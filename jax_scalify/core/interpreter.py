@@ -405,7 +405,7 @@ def _eval_equation(eqn: JaxprEqn, invals: list) -> list:
     if entry.unpromoted_inputs:
         inputs = list(invals)
     else:
-        backward = _rescales_backward_entries(eqn)
+        backward = _rescales_backward_entries()
         inputs = [_promote_if_floating(x, backward) for x in invals]
     outs = entry.rule(*inputs, **eqn.params)
     outs = list(outs) if prim.multiple_results else [outs]
@@ -446,11 +446,13 @@ def _promote_if_floating(x, backward: bool = False):
     return promoted
 
 
-def _rescales_backward_entries(eqn: JaxprEqn) -> bool:
-    """Whether the policy rescales plain operands promoted by this (backward) equation."""
-    if not rescale_policy.active_policy().gradients:
-        return False
-    return rescale_policy.is_backward_equation(eqn) or rescale_policy.in_backward_pass()
+def _rescales_backward_entries() -> bool:
+    """Whether the policy rescales the plain operands promoted by the equation being evaluated.
+
+    The equation is evaluated inside :func:`~jax_scalify.core.policy.evaluating`, so a
+    backward equation is already counted by ``in_backward_pass``.
+    """
+    return rescale_policy.active_policy().gradients and rescale_policy.in_backward_pass()
 
 
 def eval_closed_jaxpr(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:

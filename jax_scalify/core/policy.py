@@ -226,8 +226,11 @@ def in_backward_pass() -> bool:
 
 @contextlib.contextmanager
 def evaluating(eqn: Any) -> Iterator[None]:
-    """Marks the evaluation of ``eqn`` as part of the backward pass if it is a backward equation."""
-    backward = is_backward_equation(eqn)
+    """Marks the evaluation of ``eqn`` as part of the backward pass if it is a backward equation.
+
+    Only the ``gradients`` component reads the mark, so without it nothing is computed.
+    """
+    backward = active_policy().gradients and is_backward_equation(eqn)
     _state.backward_depth += backward
     try:
         yield
