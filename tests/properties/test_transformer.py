@@ -166,26 +166,21 @@ def _all_finite(tree) -> bool:
     return all(np.all(np.isfinite(x)) for x in jax.tree.leaves(jsa.asarray(tree, jnp.float32)))
 
 
-def test_gpt_float16_step_is_finite_and_close_to_float32():
-    params, opt_state, params16, state, tokens, targets = _float16_problem()
-    loss, new_params, new_state = scalified_step(params16, state, tokens, targets)
-    assert loss.dtype == jnp.float16
-    assert all(x.dtype == jnp.float16 for x in jax.tree.leaves(jsa.asarray(new_params)))
-    assert_pow2_scales((loss, new_params, new_state))
-    assert _all_finite((loss, new_params, new_state))
-    # float16 rounds to 11 bits (2**-11 ~ 5e-4 relative per operation): the loss agrees with
-    # the float32 step to about 1%.
-    expected_loss = float(plain_step(params, opt_state, tokens, targets)[0])
-    np.testing.assert_allclose(float(loss.to_array(jnp.float32)), expected_loss, rtol=1e-2)
-
-
+@pytest.mark.slow  # compiles a float16 GPT step; tests/experiments/test_gpt_smoke.py trains one by default
 def test_gpt_float16_training_reduces_the_loss():
-    """Six float16 steps: the loss falls, and follows the float32 run's to 2%."""
+    """Six float16 steps: float16 outputs with power-of-two scales, the first loss within 1% of
+    float32's (float16 rounds to 11 bits, ~5e-4 relative per operation), the loss falls and
+    follows the float32 run's to 2%."""
     params32, state32, params, state, tokens, targets = _float16_problem()
     losses, losses32 = [], []
-    for _ in range(6):
+    for step in range(6):
         loss, params, state = scalified_step(params, state, tokens, targets)
         loss32, params32, state32 = plain_step(params32, state32, tokens, targets)
+        if step == 0:
+            assert loss.dtype == jnp.float16
+            assert all(x.dtype == jnp.float16 for x in jax.tree.leaves(jsa.asarray(params)))
+            assert_pow2_scales((loss, params, state))
+            np.testing.assert_allclose(float(loss.to_array(jnp.float32)), float(loss32), rtol=1e-2)
         losses.append(float(loss.to_array(jnp.float32)))
         losses32.append(float(loss32))
     assert _all_finite((params, state))
