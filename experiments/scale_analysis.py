@@ -1,13 +1,15 @@
-"""Scale analysis of a GPT block training step in scaled FP16, before and after dynamic rescaling.
+"""Scale analysis of a GPT block training step in scaled FP16: static scales, manual rescales, default policy.
 
 Run with ``python -m experiments.scale_analysis --out docs/images``. The model is a small
 GPT (token and position embeddings, one pre-LayerNorm transformer block with causal
 attention and a GELU MLP, a final LayerNorm and a tied output head) in plain JAX; the
 training step is ``jax.value_and_grad`` of the cross-entropy followed by an SGD update.
-It is run once with ``jsa.analysis.record_scales`` in scaled FP16 as written ("before"),
-and once with ``jsa.ops.dynamic_rescale_l2_grad`` on the input of every LayerNorm
-("after", the paper's algorithm 5: the gradient flowing back through each LayerNorm is
-rescaled to unit RMS). Both charts are saved, and the text summaries printed.
+It is recorded with ``jsa.analysis.ScaleRecorder`` in scaled FP16 three times: under the
+paper's pure static propagation (``RescalePolicy.static()``) as written ("before"); the
+same with ``jsa.ops.dynamic_rescale_l2_grad`` on the input of every LayerNorm ("after",
+the paper's algorithm 5: the gradient flowing back through each LayerNorm is rescaled to
+unit RMS); and under scalify's default rescale policy as written ("default"). The charts
+are saved, and the text summaries printed.
 """
 
 from __future__ import annotations
@@ -100,10 +102,13 @@ def make_inputs(seed: int = 0) -> tuple[dict, jax.Array]:
     return params, jax.random.randint(key_tokens, shape, 0, CONFIG["vocab"])
 
 
-def analyse(rescale_grad: bool) -> jsa.analysis.ScaleReport:
-    """Record the scales of one training step."""
+def analyse(rescale_grad: bool, policy: jsa.RescalePolicy) -> jsa.analysis.ScaleReport:
+    """Record the scales of one jitted training step under ``policy``."""
     params, tokens = make_inputs()
-    return jsa.analysis.record_scales(make_step(CONFIG["heads"], rescale_grad), params, tokens)
+    step = jax.jit(jsa.scalify(make_step(CONFIG["heads"], rescale_grad), policy=policy))
+    with jsa.analysis.ScaleRecorder() as recorder:
+        outputs = jax.block_until_ready(step(params, tokens))
+    return recorder.report(outputs)
 
 
 def describe(name: str, report: jsa.analysis.ScaleReport) -> None:
@@ -118,13 +123,17 @@ def describe(name: str, report: jsa.analysis.ScaleReport) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="docs/images", help="folder for the two PNG charts")
+    parser.add_argument("--out", default="docs/images", help="folder for the three PNG charts")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
-    for name, rescale in (("before", False), ("after", True)):
-        report = analyse(rescale)
+    runs = {
+        "before": (False, jsa.RescalePolicy.static(), "static scales, as written"),
+        "after": (True, jsa.RescalePolicy.static(), "static scales, dynamic_rescale_l2_grad on the LayerNorm inputs"),
+        "default": (False, jsa.RescalePolicy(), "default rescale policy, as written"),
+    }
+    for name, (rescale, policy, what) in runs.items():
+        report = analyse(rescale, policy)
         describe(name, report)
-        what = "with dynamic_rescale_l2_grad on the LayerNorm inputs" if rescale else "as written"
         path = report.plot(out / f"scales_gpt_block_{name}.png", title=f"GPT block training step, scaled FP16, {what}")
         print(f"chart: {path} ({path.stat().st_size / 1024:.0f} KB)\n")
 
