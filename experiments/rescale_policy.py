@@ -114,9 +114,7 @@ def train(mode: str, steps: int, dtype=jnp.float16):
 def chart(mode: str, chart_step: int, out: pathlib.Path) -> jsa.analysis.ScaleReport:
     """Record and chart the scales of step ``chart_step + 1`` under the policy ``mode``."""
     _, _, state = train(mode, chart_step)
-    fun = jsa.scalify(train_step, policy=POLICIES[mode])
-    with jax.disable_jit():
-        report = jsa.analysis.record_scales(fun, *state)
+    report = jsa.analysis.record_scales(jsa.scalify(train_step, policy=POLICIES[mode]), *state)
     title = f"FP16 CNN + BatchNorm, SGD momentum, step {chart_step + 1}: {mode} policy"
     report.plot(out / f"rescale_policy_{mode}.png", title=title)
     return report

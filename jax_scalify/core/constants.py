@@ -230,8 +230,16 @@ def _pair_jaxprs(
 def _pair_equations(narrow: Sequence[JaxprEqn], wide: Sequence[JaxprEqn]) -> list | None:
     """Equations of both traces in pairs (same primitive, same arity), extra converts skipped.
 
-    None if the two sequences do not pair up.
+    In order first; if the orders differ (a backward pass transposed from a graph with the
+    narrow trace's extra converts, where nested jits are inlined, e.g. under
+    ``jax.disable_jit()``, can emit its sums in another order), by origin:
+    :func:`_pair_by_origin`. None if the two sequences do not pair up either way.
     """
+    pairs = _pair_in_order(narrow, wide)
+    return pairs if pairs is not None else _pair_by_origin(narrow, wide)
+
+
+def _pair_in_order(narrow: Sequence[JaxprEqn], wide: Sequence[JaxprEqn]) -> list | None:
     pairs = []
     i = j = 0
     while i < len(narrow) and j < len(wide):
@@ -247,6 +255,28 @@ def _pair_equations(narrow: Sequence[JaxprEqn], wide: Sequence[JaxprEqn]) -> lis
             return None
     rest = list(narrow[i:]) + list(wide[j:])
     return pairs if all(e.primitive is _CONVERT for e in rest) else None
+
+
+def _origin(eqn: JaxprEqn) -> tuple:
+    return eqn.primitive, len(eqn.invars), str(eqn.source_info.name_stack), source_info_util.summarize(eqn.source_info)
+
+
+def _pair_by_origin(narrow: Sequence[JaxprEqn], wide: Sequence[JaxprEqn]) -> list | None:
+    """Equations paired by origin (primitive, arity, name stack, source line), in order within each.
+
+    Only when both traces hold the same origins the same number of times (converts aside);
+    a pair of unrelated literals is harmless anyway: a wide value is only taken as exact if
+    it rounds to the narrow one (:meth:`ExactConstants.offer`).
+    """
+    groups: tuple[dict, dict] = ({}, {})
+    for eqns, group in zip((narrow, wide), groups):
+        for eqn in eqns:
+            if eqn.primitive is not _CONVERT:
+                group.setdefault(_origin(eqn), []).append(eqn)
+    by_narrow, by_wide = groups
+    if by_narrow.keys() != by_wide.keys() or any(len(by_narrow[k]) != len(by_wide[k]) for k in by_narrow):
+        return None
+    return [pair for key, eqns in by_narrow.items() for pair in zip(eqns, by_wide[key])]
 
 
 def _literals(jaxpr: Jaxpr, seen: set[int] | None = None) -> Iterator[tuple[Any, JaxprEqn]]:

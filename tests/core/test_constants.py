@@ -293,6 +293,30 @@ def test_recover_pairs_extra_converts():
     assert recovered == [pytest.approx(1e-8)]
 
 
+def _batch_norm_grads(x, gain):
+    def loss(x, gain):
+        mean = jnp.mean(x, axis=(0, 1))
+        var = jnp.var(x, axis=(0, 1))
+        normed = (x - mean) * jax.lax.rsqrt(var + 1e-5) * gain
+        return jnp.mean(jnp.square(normed.astype(jnp.float32)))
+
+    return jax.grad(loss, argnums=(0, 1))(x, gain)
+
+
+def test_traces_whose_backward_passes_sum_in_another_order_pair_by_origin():
+    """Under ``jax.disable_jit()`` ``jnp.var`` is inlined: the float16 trace's extra converts
+    change the order of the transposed sums, so the traces only pair by origin; the eps of
+    1e-5 (a float16 subnormal) must be recovered, not reported lost."""
+    rng = np.random.default_rng(0)
+    x, gain = jnp.asarray(rng.normal(size=(8, 4, 3)), jnp.float16), jnp.ones(3, jnp.float16)
+    scaled = jsa.as_scaled_array((x, gain))
+    with jax.disable_jit():
+        got = jsa.scalify(_batch_norm_grads)(*scaled)
+    expected = jsa.scalify(_batch_norm_grads)(*scaled)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(exact_value(g), exact_value(e), rtol=1e-2, atol=1e-3)
+
+
 def test_widened_example():
     assert constants.widened_example(jnp.ones(2, jnp.bfloat16)).dtype == jnp.float32
     x = jnp.ones(2, jnp.int8)
