@@ -242,6 +242,62 @@ def test_composed_transformations_in_float32_equal_the_plain_ones(inner):
     assert_close_values((sp, ss), (p, s), rtol=2e-5, atol=2e-6)
 
 
+def _weights_a_biases_b(params):
+    return jax.tree_util.tree_map_with_path(lambda path, _: "a" if "w" in str(path) else "b", params)
+
+
+MORE_TRANSFORMATIONS = {
+    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+    "multi_transform": lambda: optax.multi_transform(
+        {"a": optax.adam(1e-2), "b": optax.sgd(1e-2, momentum=0.9)}, _weights_a_biases_b
+    ),
+    "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), 3),
+    "masked_weight_decay": lambda: optax.chain(
+        optax.masked(optax.add_decayed_weights(1e-2), lambda p: jax.tree.map(lambda a: a.ndim > 1, p)),
+        optax.adam(1e-2),
+    ),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "lamb": lambda: optax.lamb(1e-2),
+    "novograd": lambda: optax.novograd(1e-2),
+    "rmsprop_momentum": lambda: optax.rmsprop(1e-2, momentum=0.9),
+    "adagrad": lambda: optax.adagrad(1e-2),
+    "yogi": lambda: optax.yogi(1e-2),
+    "nadamw": lambda: optax.nadamw(1e-2),
+    "amsgrad": lambda: optax.amsgrad(1e-2),
+    "sgd_then_ema": lambda: optax.chain(optax.sgd(1e-2), optax.ema(0.9)),
+    "schedule_free_adamw": lambda: optax.contrib.schedule_free_adamw(1e-2),
+    "sgdr_schedule": lambda: optax.sgd(
+        optax.sgdr_schedule([dict(init_value=0.0, peak_value=1e-2, warmup_steps=2, decay_steps=5)] * 2)
+    ),
+}
+
+
+@pytest.mark.slow  # 15 more optimizers, two compilations each; the default run covers the five main ones
+@pytest.mark.parametrize("name", MORE_TRANSFORMATIONS)
+def test_more_optax_transformations_equal_the_plain_ones_in_float32_and_train_in_float16(name):
+    """Wrappers (MultiSteps, multi_transform, apply_if_finite, masked), factored and
+    accumulating optimizers, an EMA and a schedule-free one: with float32 state the
+    scalified step equals the plain one; with float16 state and weights it ends where
+    float32 does."""
+    inner = MORE_TRANSFORMATIONS[name]()
+    params, x, y = task((4, 8, 2), n=16)
+    plain_step = jax.jit(make_step(inner))
+    p, s = params, inner.init(params)
+    expected_losses = []
+    for _ in range(6):
+        loss, p, s = plain_step(p, s, x, y)
+        expected_losses.append(float(loss))
+    for dtype in (jnp.float32, jnp.float16):
+        tx = scale_state(inner, dtype)
+        sp = jsa.tree.astype(jsa.as_scaled_array(params), dtype)
+        ss, batch = tx.init(sp), jsa.tree.astype((x, y), dtype)
+        losses, sp, ss = train(jsa.scalify(make_step(tx)), sp, ss, *batch, 6)
+        if dtype == jnp.float32:
+            assert_close_values(jsa.asarray(sp), p, rtol=2e-5, atol=2e-6)
+        else:
+            np.testing.assert_allclose(losses, expected_losses, rtol=1e-2)
+
+
 def test_inject_hyperparams_scalars_stay_plain_float32():
     tx = scale_state(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), jnp.float16)
     state = tx.init({"w": jnp.ones((2, 2))})
