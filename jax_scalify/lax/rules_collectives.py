@@ -94,6 +94,20 @@ def _axis_names(axes: Any) -> tuple:
     return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
 
 
+def _named_axes(axes: Any) -> tuple:
+    """The mesh or ``vmap`` axis names of ``axes``; integers are positional axes of the data.
+
+    ``jax.vmap(..., axis_name=...)`` turns a collective over its own axis into the same
+    primitive over a positional axis of the batched data (``psum[axes=(0,)]``): a reduction
+    of the data, under the one scale it already has.
+    """
+    return tuple(a for a in _axis_names(axes) if not isinstance(a, int))
+
+
+def _positional_size(x: ScaledArray, axes: Any) -> int:
+    return int(np.prod([x.shape[a] for a in _axis_names(axes) if isinstance(a, int)], dtype=np.int64))
+
+
 def _scale_may_vary(x: ScaledArray, axes: Sequence) -> bool:
     """Whether ``x``'s scale may differ between the devices of ``axes``.
 
@@ -117,18 +131,18 @@ def _common_scale(x: ScaledArray, axes: Sequence, groups: Any) -> tuple[Array, A
     ``pmax`` (every block asserted zero) becomes 1.
     """
     scale = as_scale(x.scale)
-    if not _scale_may_vary(x, axes):
+    named = _named_axes(axes)
+    if not named or not _scale_may_vary(x, named):
         return x.data, scale
-    common = jax.lax.pmax(scale, _axis_names(axes), axis_index_groups=groups)
+    common = jax.lax.pmax(scale, named, axis_index_groups=groups)
     common = zero_to_one(common)  # all asserted zero
     return mul_data(x.data, scale / common), common
 
 
-def _group_size(axes: Sequence, groups: Any) -> int:
-    """Number of devices reduced over: the group size, or the product of the axis sizes."""
-    if groups:
-        return len(groups[0])
-    return int(np.prod([jax.lax.axis_size(a) for a in _axis_names(axes)], dtype=np.int64))
+def _group_size(x: ScaledArray, axes: Sequence, groups: Any) -> int:
+    """Number of blocks summed: the group size or the product of the named axis sizes, times positional ones."""
+    devices = len(groups[0]) if groups else np.prod([jax.lax.axis_size(a) for a in _named_axes(axes)], dtype=np.int64)
+    return int(devices) * _positional_size(x, axes)
 
 
 def _plain_or(prim: Primitive, x: Any, params: dict) -> Any:
@@ -141,12 +155,16 @@ def _scaled_sum_collective(prim: Primitive, x: Any, axes: Sequence, groups: Any,
     if plain is not None:
         return plain
     data, scale = _common_scale(x, axes, groups)
-    return unit_scaled_sum(scale, _group_size(axes, groups), lambda d: prim.bind(d, **params), data)
+    return unit_scaled_sum(scale, _group_size(x, axes, groups), lambda d: prim.bind(d, **params), data)
 
 
 @register_scaled_op(psum_p)
 def scaled_psum(x: Any, *, axes, axis_index_groups=None, **params) -> Any:
-    """Blocks aligned to pmax(s_i); s = pmax(s_i) * r, data = psum(data) / r, r = pow2(sqrt(K)), K = devices summed."""
+    """Blocks aligned to pmax(s_i); s = pmax(s_i) * r, data = psum(data) / r, r = pow2(sqrt(K)), K = blocks summed.
+
+    K counts the devices of the named axes times the sizes of positional axes (what
+    ``jax.vmap(..., axis_name=...)`` turns its own axis name into).
+    """
     params = dict(axes=axes, axis_index_groups=axis_index_groups, **params)
     return _scaled_sum_collective(psum_p, x, axes, axis_index_groups, params)
 

@@ -96,3 +96,52 @@ def test_a_python_float_end_time_stays_static(model):
     got = eqx.filter_jit(jsa.scalify(noisy_outputs))(jsa.as_scaled_array(model), jsa.as_scaled_array(X), 1.0)
     assert got.shape == (4, 6, 2)
     np.testing.assert_allclose(jsa.asarray(got), ref, rtol=1e-5, atol=1e-6)
+
+
+class BatchNormMLP(eqx.Module):
+    """Linear -> BatchNorm (running statistics in ``eqx.nn.State``) -> tanh -> Linear."""
+
+    first: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+    last: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.first = eqx.nn.Linear(8, 16, key=k1)
+        self.norm = eqx.nn.BatchNorm(16, axis_name="batch")
+        self.last = eqx.nn.Linear(16, 2, key=k2)
+
+    def __call__(self, x, state):
+        h, state = self.norm(self.first(x), state)
+        return self.last(jnp.tanh(h)), state
+
+
+def batch_norm_step(model, state, opt_state, x, y):
+    def loss_fn(model):
+        batched = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+        out, new_state = batched(x, state)
+        return jnp.mean(jnp.square(out - y)), new_state
+
+    (loss, state), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model)
+    updates, opt_state = OPT.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+    return loss, eqx.apply_updates(model, updates), state, opt_state
+
+
+def test_batch_norm_with_state_over_a_vmap_axis_name_matches_the_plain_step():
+    """Equinox's BatchNorm takes its batch statistics with collectives over the ``vmap`` axis
+    name, which JAX turns into psum over a positional axis (the rule used to ask for a device
+    axis there and failed)."""
+    model, state = eqx.nn.make_with_state(BatchNormMLP)(jax.random.PRNGKey(0))
+    opt_state = OPT.init(eqx.filter(model, eqx.is_inexact_array))
+    x = RNG.standard_normal((32, 8)).astype(np.float32)
+    y = RNG.standard_normal((32, 2)).astype(np.float32)
+    plain, scalified = eqx.filter_jit(batch_norm_step), eqx.filter_jit(jsa.scalify(batch_norm_step))
+    ref = (model, state, opt_state)
+    got = jsa.as_scaled_array(ref)
+    xs = jsa.ScaledArray(jnp.asarray(x), jnp.float32(2.0**-6))  # value x * 2**-6
+    for _ in range(2):
+        ref_loss, *ref = plain(*ref, x * np.float32(2.0**-6), y)
+        loss, *got = scalified(*got, xs, y)
+        np.testing.assert_allclose(loss.to_array(), ref_loss, rtol=1e-5)
+    got_arrays, ref_arrays = (eqx.filter(jsa.asarray(t), eqx.is_inexact_array) for t in (got, ref))
+    assert_close_values(got_arrays, ref_arrays, rtol=1e-5, atol=1e-6)

@@ -87,7 +87,25 @@ def pmean_grad_step(x, w):
     return jax.lax.pmean(grad, "x")
 
 
+def vmap_batch_norm(x):
+    """Collectives over a ``jax.vmap`` axis name (Equinox's BatchNorm idiom): JAX turns them
+    into psum over a positional axis of the batched data."""
+
+    def per_example(row):
+        centred = row - jax.lax.pmean(row, "batch")
+        return centred * jax.lax.rsqrt(jax.lax.pmean(jnp.square(centred), "batch") + 1e-5)
+
+    return jax.vmap(per_example, axis_name="batch")(x)
+
+
+def vmap_range(x):
+    """pmax and pmin over a ``jax.vmap`` axis name (no derivative in JAX)."""
+    return jax.vmap(lambda row: jax.lax.pmax(row, "batch") - jax.lax.pmin(row, "batch"), axis_name="batch")(x)
+
+
 INVARIANCE_CASES = [
+    Case("vmap_axis_name_psum", vmap_batch_norm, [normal(16, 3)], grad=True),
+    Case("vmap_axis_name_pmax_pmin", vmap_range, [normal(16, 3)]),
     Case("shard_map_psum", dp_linear_psum, [normal(16, 4), normal(4, 3)], grad=True),
     Case("shard_map_psum_unchecked", dp_linear_psum_unchecked, [normal(16, 4), normal(4, 3)], grad=True),
     Case("pmax_pmin", pmax_pmin, [normal(16, 3)]),
