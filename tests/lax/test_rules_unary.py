@@ -182,6 +182,21 @@ def test_roots_of_traced_scales_under_jit():
     np.testing.assert_allclose(_value(out[0]), np.sqrt(_value(x)), rtol=1e-3)
 
 
+@pytest.mark.parametrize("exponent", [127, 126, 125, -125, -126])
+@pytest.mark.parametrize("jit", [False, True], ids=["numpy_scale", "traced_scale"])
+def test_roots_of_scales_at_the_ends_of_the_float32_range(exponent, jit):
+    """An odd exponent raised to the next multiple of n must not leave float32 (2**127 * 2 is inf)."""
+    scale = np.float32(2.0**exponent)
+    x = jsa.ScaledArray(jnp.asarray([2.0**80, 3.0], jnp.float32), jnp.asarray(scale) if jit else scale)
+    fns = (jnp.sqrt, lax.rsqrt, jnp.cbrt)
+    scalified = jsa.scalify(lambda a: tuple(f(a) for f in fns), policy=STATIC_POLICY)
+    outs = (jax.jit(scalified) if jit else scalified)(x)
+    for out, power in zip(outs, (0.5, -0.5, 1 / 3)):
+        assert np.isfinite(_scale(out)), (exponent, power)
+        got = np.log2(np.asarray(out.data, np.float64)) + np.log2(_scale(out))
+        np.testing.assert_allclose(got, power * (np.log2([2.0**80, 3.0]) + exponent), rtol=1e-6)
+
+
 def test_powers_are_exact_on_the_scale():
     x = _scaled([1.5, -1.25], -40)
     assert _scale(jsa.scalify(lax.square, policy=STATIC_POLICY)(x)) == 2.0**-80
