@@ -4,7 +4,7 @@ Run with ``python -m experiments.scale_analysis --out docs/images``. The model i
 GPT (token and position embeddings, one pre-LayerNorm transformer block with causal
 attention and a GELU MLP, a final LayerNorm and a tied output head) in plain JAX; the
 training step is ``jax.value_and_grad`` of the cross-entropy followed by an SGD update.
-It is recorded with ``jsa.analysis.ScaleRecorder`` in scaled FP16 three times: under the
+It is recorded with ``jsa.analysis.record_scales`` in scaled FP16 three times: under the
 paper's pure static propagation (``RescalePolicy.static()``) as written ("before"); the
 same with ``jsa.ops.dynamic_rescale_l2_grad`` on the input of every LayerNorm ("after",
 the paper's algorithm 5: the gradient flowing back through each LayerNorm is rescaled to
@@ -105,10 +105,9 @@ def make_inputs(seed: int = 0) -> tuple[dict, jax.Array]:
 def analyse(rescale_grad: bool, policy: jsa.RescalePolicy) -> jsa.analysis.ScaleReport:
     """Record the scales of one jitted training step under ``policy``."""
     params, tokens = make_inputs()
-    step = jax.jit(jsa.scalify(make_step(CONFIG["heads"], rescale_grad), policy=policy))
-    with jsa.analysis.ScaleRecorder() as recorder:
-        outputs = jax.block_until_ready(step(params, tokens))
-    return recorder.report(outputs)
+    return jsa.analysis.record_scales(
+        jsa.scalify(make_step(CONFIG["heads"], rescale_grad), policy=policy), params, tokens
+    )
 
 
 def describe(name: str, report: jsa.analysis.ScaleReport) -> None:

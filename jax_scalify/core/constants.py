@@ -261,6 +261,14 @@ def _origin(eqn: JaxprEqn) -> tuple:
     return eqn.primitive, len(eqn.invars), str(eqn.source_info.name_stack), source_info_util.summarize(eqn.source_info)
 
 
+def _by_origin(eqns: Sequence[JaxprEqn]) -> dict[tuple, list[JaxprEqn]]:
+    groups: dict[tuple, list[JaxprEqn]] = {}
+    for eqn in eqns:
+        if eqn.primitive is not _CONVERT:
+            groups.setdefault(_origin(eqn), []).append(eqn)
+    return groups
+
+
 def _pair_by_origin(narrow: Sequence[JaxprEqn], wide: Sequence[JaxprEqn]) -> list | None:
     """Equations paired by origin (primitive, arity, name stack, source line), in order within each.
 
@@ -268,12 +276,7 @@ def _pair_by_origin(narrow: Sequence[JaxprEqn], wide: Sequence[JaxprEqn]) -> lis
     a pair of unrelated literals is harmless anyway: a wide value is only taken as exact if
     it rounds to the narrow one (:meth:`ExactConstants.offer`).
     """
-    groups: tuple[dict, dict] = ({}, {})
-    for eqns, group in zip((narrow, wide), groups):
-        for eqn in eqns:
-            if eqn.primitive is not _CONVERT:
-                group.setdefault(_origin(eqn), []).append(eqn)
-    by_narrow, by_wide = groups
+    by_narrow, by_wide = _by_origin(narrow), _by_origin(wide)
     if by_narrow.keys() != by_wide.keys() or any(len(by_narrow[k]) != len(by_wide[k]) for k in by_narrow):
         return None
     return [pair for key, eqns in by_narrow.items() for pair in zip(eqns, by_wide[key])]

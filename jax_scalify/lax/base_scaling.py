@@ -392,7 +392,7 @@ def exact_root(x: ScaledArray, n: int, data_fn: Callable[[Array], Array], invers
         t = npapi.remainder(-pow2_exponent(scale), n)
         factor = _pow2_small(t, npapi)
         data = data_fn(mul_data(x.data, 1 / factor))
-        out_scale = _snap_pow2(_root_of_product(scale, factor.astype(scale.dtype), n, root, npapi))
+        out_scale = _snap_pow2(_root_of_product(scale, factor.astype(scale.dtype), n))
     else:
         data, out_scale = _traced_root(x, scale, n, data_fn)
     if inverse:
@@ -400,12 +400,14 @@ def exact_root(x: ScaledArray, n: int, data_fn: Callable[[Array], Array], invers
     return ScaledArray(data, as_scale(out_scale))
 
 
-def _root_of_product(scale: Array, factor: Array, n: int, root: Callable, npapi: Any) -> Array:
-    """``root(scale * factor)`` (``factor`` a power of two below ``2**n``) without overflowing.
+def _root_of_product(scale: Array, factor: Array, n: int) -> Array:
+    """The ``n``-th root of ``scale * factor`` (``factor`` a power of two below ``2**n``) without overflowing.
 
     A scale near the top of the range times the factor leaves float32 (``2**127 * 2``): above
     1 the product is divided by ``2**n`` first and the root multiplied by 2, both exact.
     """
+    npapi = numpy_api(scale)
+    root = npapi.sqrt if n == 2 else npapi.cbrt
     with np.errstate(over="ignore", under="ignore"):  # NumPy evaluates both branches
         large = root(scale * (factor / factor.dtype.type(2**n))) * factor.dtype.type(2)
         return npapi.where(scale > 1, large, root(scale * factor))
@@ -427,8 +429,7 @@ def _traced_root(x: ScaledArray, scale: Array, n: int, data_fn: Callable[[Array]
         factor = select(t == k, as_scale(factors[k]), factor)
         inverse = select(t == k, as_scale(inverses[k]), inverse)
     data = data_fn(mul_data(x.data, inverse))
-    root = jax.lax.sqrt if n == 2 else jax.lax.cbrt
-    out_scale = _root_of_product(scale, factor, n, root, jnp)
+    out_scale = _root_of_product(scale, factor, n)
     if n != 2:  # cbrt is inexact; sqrt of a power of two with an even exponent is exact
         out_scale = _snap_pow2(out_scale)
     return data, out_scale
