@@ -41,6 +41,7 @@ import numpy as np
 import optax
 
 from .core.array import ScaledArray, asarray, is_floating_dtype, is_scaled_leaf
+from .core.custom_scale import custom_scale
 from .core.interpreter import is_tracing_user_code, scalify
 from .lax.primitives import set_scaling, stop_scaling
 from .ops.rescaling import Norm, dynamic_rescale
@@ -69,6 +70,15 @@ class _Storage(NamedTuple):
 
 
 SECOND_MOMENT_FIELDS = ("nu",)  # Optax's name for Adam's, AdamW's, AdaBelief's second moment
+# The state fields Optax's transformations divide by (second moments, sums of squares): a
+# stored 0 there turns a small first moment into a huge step (_plain_at_least_smallest_subnormal).
+DIVISOR_FIELDS = ("nu", "nu_max", "sum_of_squares", "v_row", "v_col", "v", "e_g")
+
+
+def _is_divisor(path: KeyPath) -> bool:
+    return any(isinstance(k, jax.tree_util.GetAttrKey) and k.name in DIVISOR_FIELDS for k in path)
+
+
 MIN_SECOND_MOMENT_MANTISSA_BITS = 10
 
 
@@ -136,6 +146,43 @@ def _rescaled(tree: PyTree, rescale: Norm | None) -> PyTree:
     for i, x in zip(where, dynamic_rescale([leaves[i] for i in where], rescale)):
         leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _plain_at_least_smallest_subnormal(x: Any, dtype: np.dtype) -> Any:
+    """``max(x, tiny)`` with ``tiny`` the smallest subnormal of ``dtype``: a floor under a widened divisor.
+
+    A second moment of 0 beside a first moment that is not is the one state Adam cannot
+    survive: ``mu / (sqrt(0) + eps)`` is about ``mu / 1e-8``. One scale per tensor gives
+    float16 data about 40 binades (2**-24 to 2**16 around a unit RMS), and a second moment
+    spans the square of its gradient's range: gradients 2**-12 below their tensor's RMS
+    put ``nu`` below 2**-24, where storing (or any later rescale of the stored data) rounds
+    it to 0. Raised to the smallest subnormal when widened, ``nu`` is overestimated
+    there, so the step is smaller than float32's, never larger; where the gradient was
+    always 0 the first moment is 0 too and the step stays 0.
+    """
+    return jnp.maximum(x, jnp.asarray(jnp.finfo(dtype).smallest_subnormal, x.dtype))
+
+
+_at_least_smallest_subnormal = custom_scale(_plain_at_least_smallest_subnormal, static_argnums=(1,))
+
+
+@_at_least_smallest_subnormal.defscale
+def _at_least_smallest_subnormal_rule(x: ScaledArray, dtype: np.dtype) -> ScaledArray:
+    """On the stored data (in units of its scale), which is where ``dtype`` rounded; the scale is kept."""
+    return ScaledArray(_plain_at_least_smallest_subnormal(x.data, dtype), x.scale)
+
+
+def _widen_state(state: PyTree, storage: _Storage) -> PyTree:
+    """The stored state widened to float32, the fields Optax divides by kept off zero (see above)."""
+
+    def widen(path, x):
+        if not _is_floating(x):
+            return x
+        if _is_narrowed(x) and _is_divisor(path) and np.dtype(x.dtype).itemsize < WORK_DTYPE.itemsize:
+            return _at_least_smallest_subnormal(x.astype(WORK_DTYPE), np.dtype(x.dtype))
+        return x.astype(WORK_DTYPE)
+
+    return jax.tree_util.tree_map_with_path(widen, state)
 
 
 def _store_leaf(x: Any, dtype: np.dtype) -> Any:
@@ -223,7 +270,8 @@ def scale_state(
       float32 (scales kept), runs ``inner.update`` on the rescaled float32 gradients
       (``extra_args`` are passed on if ``inner`` takes them), then moves each new state
       array's statistic ``rescale`` (root mean square by default) into its scale and
-      narrows its data to ``dtype``. The updates are rescaled too and come back in the
+      narrows its data to ``dtype`` (a divisor such as ``nu`` is widened no lower than
+      ``dtype``'s smallest subnormal: below). The updates are rescaled too and come back in the
       dtypes of the incoming ``updates``, as ScaledArrays if those were. It works inside
       a ``jsa.scalify`` step (the usual case) and outside one: with plain gradients the
       updates come back as plain arrays, so the state can be narrow in an otherwise
@@ -239,6 +287,18 @@ def scale_state(
     unit-scaled inputs); SGD and Lion pass that scale on to the update, and
     ``params + update`` then drifts the parameters' scale step after step, so gradients and
     updates are rescaled as well (Adam's ``mu / sqrt(nu)`` cancels the gradient's scale).
+
+    Small entries: one scale per tensor gives float16 data about 40 binades around a unit
+    RMS, and a second moment spans the square of its gradient's range (gradients 2**-12
+    below their tensor's RMS put ``nu`` below float16's smallest subnormal, where it is
+    stored as 0). A 0 beside a first moment that is not makes Adam step by ``mu / eps``
+    (a RealNVP flow in FP16: steps of 270 learning rates, NaN at step 39). The fields Optax
+    divides by (``nu``, ``nu_max``, ``sum_of_squares``, Adafactor's ``v_row``/``v_col``/``v``,
+    AdaDelta's ``e_g``) are therefore widened no lower than the storage dtype's smallest
+    subnormal (in units of their scale): ``nu`` is overestimated there and the step is
+    smaller than float32's, while a first moment rounded to 0 gives a step of 0. In the
+    rest of the subnormal range rounding to nearest may lower ``nu`` by up to a third, a
+    step up to ``sqrt(1.5)`` times float32's on those entries.
 
     FP8 and bfloat16: store only first moments below float16 precision
     (``field_dtypes={"mu": jnp.float8_e4m3fn, "trace": jnp.float8_e4m3fn}``). A first moment's
@@ -288,7 +348,7 @@ def scale_state(
     @scalify
     def update_stored(updates, state, params, extra_args):
         updates32 = _widen(_rescaled(updates, rescale))
-        new_updates, new_state = inner.update(updates32, _widen(state), _widen(params), **extra_args)
+        new_updates, new_state = inner.update(updates32, _widen_state(state, storage), _widen(params), **extra_args)
         return _cast_like(_rescaled(new_updates, rescale), updates), _store(new_state, storage)
 
     def init_fn(params: PyTree) -> PyTree:

@@ -343,6 +343,59 @@ def test_extra_args_reach_the_inner_transformation():
     assert float(state[1].scale) < 1.0  # the plateau halved the rate
 
 
+def wide_range_gradients(rows=16, cols=32, decades=8.0, seed=0):
+    """Row ``i`` of the gradient has magnitude ``10**(-decades * i / (rows - 1))``: a range of 2**26."""
+    rng = np.random.default_rng(seed)
+    magnitude = 10.0 ** (-decades * np.arange(rows) / (rows - 1))
+    return jnp.asarray(rng.standard_normal((rows, cols)) * magnitude[:, None], jnp.float32)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_float16_adam_on_a_wide_range_gradient_steps_no_further_than_float32(jit):
+    """Gradients spanning 2**26 in one tensor put ``nu`` (their squares) 2**52 below its largest entry.
+
+    One scale per tensor cannot hold that range in float16: rounded to nearest, the small
+    entries of ``nu`` become 0 beside a first moment that is not, and Adam's step there is
+    ``mu / eps`` (seen in a RealNVP flow in FP16: steps 270 times the learning rate, NaN
+    at step 39). Widened no lower than float16's smallest subnormal, ``nu`` is overestimated
+    there and the step is smaller than float32 Adam's; elsewhere in the subnormal range rounding to nearest
+    can lower ``nu`` by up to a third (1.49 units in the last place to 1), a step up to
+    ``sqrt(1.5)`` times float32's. The largest row is held to 1%.
+    """
+    inner = optax.adam(1e-3)
+    tx = scale_state(inner, jnp.float16)
+    params = jsa.tree.astype(jsa.as_scaled_array({"w": jnp.ones((16, 32))}), jnp.float16)
+    grads = {"w": wide_range_gradients()}
+    step = jsa.scalify(lambda g, s, p: tx.update(g, s, p))
+    step = jax.jit(step) if jit else step
+    state, ref_state = tx.init(params), inner.init(jsa.asarray(params))
+    for _ in range(3):
+        updates, state = step(jsa.as_scaled_array(grads), state, params)
+        ref_updates, ref_state = inner.update(grads, ref_state)
+    got, ref = np.asarray(jsa.asarray(updates)["w"], np.float32), np.asarray(ref_updates["w"])
+    assert np.all(np.isfinite(got))
+    assert np.all(np.abs(got) <= np.abs(ref) * np.sqrt(1.5) * (1 + 1e-2)), "a step far larger than float32 Adam's"
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-2)
+
+
+def test_a_stored_zero_second_moment_beside_a_first_moment_gives_a_bounded_step():
+    """A zero ``nu`` with a non-zero ``mu`` (stored so, or rounded so by a later rescale) is not ``mu / eps``."""
+    tx = scale_state(optax.adam(1.0), jnp.float16)
+    count, _, _ = tx.init({"w": jnp.ones(3)})[0]
+
+    def stored(values):
+        return jsa.ScaledArray(jnp.asarray(values, jnp.float16), jnp.float32(1.0))
+
+    adam_state = optax.ScaleByAdamState(count, {"w": stored([1.0, 1e-3, 0.0])}, {"w": stored([1.0, 0.0, 0.0])})
+    grads = {"w": jsa.as_scaled_array(jnp.zeros(3))}
+    updates, _ = jsa.scalify(tx.update)(grads, (adam_state, optax.EmptyState()))
+    steps = np.abs(np.asarray(jsa.asarray(updates)["w"], np.float32))
+    assert steps[2] == 0.0  # no gradient ever: the step stays 0
+    assert 0 < steps[1] < 10.0  # mu / sqrt(smallest subnormal), not mu / eps = 1e5
+    # mu' = 0.9, nu' = 0.999 after a zero gradient; bias-corrected: 9 / sqrt(999)
+    np.testing.assert_allclose(steps[0], 9 / np.sqrt(999), rtol=1e-3)
+
+
 def test_field_dtypes_store_one_moment_in_fp8():
     tx = scale_state(optax.adam(1e-3), jnp.float16, field_dtypes={"mu": jnp.float8_e4m3fn})
     params, x, y = task((4, 8, 2), n=16)

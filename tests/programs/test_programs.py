@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import numpy as np
 import pytest
 
-from . import cnn_nnx, conv_eqx, diffusion_linen, gpt_linen, gru_eqx, mlp_jax
-from .harness import Program, final_loss, invariance_errors, relative_excess, train
+import jax_scalify as jsa
+
+from . import cnn_nnx, conv_eqx, diffusion_linen, flow_linen, gpt_linen, gru_eqx, mlp_jax
+from .harness import Program, _as_jax, _leaf_errors, final_loss, invariance_errors, relative_excess, train
 
 PROGRAMS = [m.PROGRAM for m in (gpt_linen, cnn_nnx, gru_eqx, conv_eqx, diffusion_linen, mlp_jax)]
 DENSE_PROGRAMS = [p for p in PROGRAMS if p.has_dense]
@@ -112,3 +115,22 @@ def test_fp16_long(program: Program, record_property):
 @by_name(DENSE_PROGRAMS)
 def test_fp8_long(program: Program, record_property):
     check_fp8(program, program.slow_steps, record_property)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("steps", [flow_linen.PROGRAM.fp16_steps, flow_linen.PROGRAM.slow_steps])
+def test_realnvp_flow_fp16(steps, record_property):
+    """A program outside the suite (see :mod:`tests.programs.flow_linen` for why): FP16 only."""
+    check_fp16(flow_linen.PROGRAM, steps, record_property)
+
+
+@pytest.mark.slow  # 45 s of compilation (24 dense layers)
+def test_realnvp_flow_float32_from_recipe_state_equals_plain():
+    """The flow's invariance from the state ``jsa.as_scaled_array`` gives (unit-sized data)."""
+    program = flow_linen.PROGRAM
+    tx = program.make_optimizer()
+    state, batch = program.init(0, tx, False), _as_jax(program.batches(0, 1)[0])
+    expected = jax.jit(program.make_train_step(tx))(*state, *batch)
+    got = jax.jit(jsa.scalify(program.make_train_step(tx)))(*jsa.as_scaled_array(state), *jsa.as_scaled_array(batch))
+    errors = _leaf_errors(jsa.asarray(got), expected)
+    assert max(errors.values()) <= INVARIANCE_TOLERANCE, {k: v for k, v in errors.items() if v > INVARIANCE_TOLERANCE}
