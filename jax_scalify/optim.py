@@ -53,6 +53,15 @@ KeyPath = tuple
 WORK_DTYPE = np.dtype(np.float32)
 
 
+def _field_names(path: KeyPath) -> list[str]:
+    """The names of the state fields (Optax's namedtuple attributes) on the path to a leaf, outermost first."""
+    return [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+
+
+def _is_divisor(path: KeyPath) -> bool:
+    return any(name in DIVISOR_FIELDS for name in _field_names(path))
+
+
 class _Storage(NamedTuple):
     """How the state is stored: the dtype of each floating leaf and the rescale statistic."""
 
@@ -62,9 +71,8 @@ class _Storage(NamedTuple):
 
     def dtype_at(self, path: KeyPath) -> np.dtype:
         """The storage dtype of the leaf at ``path``: the first state field named in ``field_dtypes``."""
-        for key in path:
-            name = getattr(key, "name", None)
-            if isinstance(key, jax.tree_util.GetAttrKey) and name in self.field_dtypes:
+        for name in _field_names(path):
+            if name in self.field_dtypes:
                 return self.field_dtypes[name]
         return self.dtype
 
@@ -73,12 +81,6 @@ SECOND_MOMENT_FIELDS = ("nu",)  # Optax's name for Adam's, AdamW's, AdaBelief's 
 # The state fields Optax's transformations divide by (second moments, sums of squares): a
 # stored 0 there turns a small first moment into a huge step (_plain_at_least_smallest_subnormal).
 DIVISOR_FIELDS = ("nu", "nu_max", "sum_of_squares", "v_row", "v_col", "v", "e_g")
-
-
-def _is_divisor(path: KeyPath) -> bool:
-    return any(isinstance(k, jax.tree_util.GetAttrKey) and k.name in DIVISOR_FIELDS for k in path)
-
-
 MIN_SECOND_MOMENT_MANTISSA_BITS = 10
 
 
@@ -87,9 +89,8 @@ def _warn_if_second_moment_too_narrow(state: PyTree, storage: _Storage) -> None:
     narrow = set()
 
     def check(path, x):
-        names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
         dtype = storage.dtype_at(path)
-        if _is_narrowed(x) and any(n in SECOND_MOMENT_FIELDS for n in names):
+        if _is_narrowed(x) and any(n in SECOND_MOMENT_FIELDS for n in _field_names(path)):
             if jnp.finfo(dtype).nmant < MIN_SECOND_MOMENT_MANTISSA_BITS:
                 narrow.add(np.dtype(dtype).name)
 
@@ -151,14 +152,9 @@ def _rescaled(tree: PyTree, rescale: Norm | None) -> PyTree:
 def _plain_at_least_smallest_subnormal(x: Any, dtype: np.dtype) -> Any:
     """``max(x, tiny)`` with ``tiny`` the smallest subnormal of ``dtype``: a floor under a widened divisor.
 
-    A second moment of 0 beside a first moment that is not is the one state Adam cannot
-    survive: ``mu / (sqrt(0) + eps)`` is about ``mu / 1e-8``. One scale per tensor gives
-    float16 data about 40 binades (2**-24 to 2**16 around a unit RMS), and a second moment
-    spans the square of its gradient's range: gradients 2**-12 below their tensor's RMS
-    put ``nu`` below 2**-24, where storing (or any later rescale of the stored data) rounds
-    it to 0. Raised to the smallest subnormal when widened, ``nu`` is overestimated
-    there, so the step is smaller than float32's, never larger; where the gradient was
-    always 0 the first moment is 0 too and the step stays 0.
+    Applied when widening rather than when storing: any later rescale of the stored data
+    (the rescale policy's, on the returned state) may round a stored floor to 0 again. Why
+    the floor: ``scale_state``'s docstring, "Small entries".
     """
     return jnp.maximum(x, jnp.asarray(jnp.finfo(dtype).smallest_subnormal, x.dtype))
 
@@ -172,7 +168,7 @@ def _at_least_smallest_subnormal_rule(x: ScaledArray, dtype: np.dtype) -> Scaled
     return ScaledArray(_plain_at_least_smallest_subnormal(x.data, dtype), x.scale)
 
 
-def _widen_state(state: PyTree, storage: _Storage) -> PyTree:
+def _widen_state(state: PyTree) -> PyTree:
     """The stored state widened to float32, the fields Optax divides by kept off zero (see above)."""
 
     def widen(path, x):
@@ -348,7 +344,7 @@ def scale_state(
     @scalify
     def update_stored(updates, state, params, extra_args):
         updates32 = _widen(_rescaled(updates, rescale))
-        new_updates, new_state = inner.update(updates32, _widen_state(state, storage), _widen(params), **extra_args)
+        new_updates, new_state = inner.update(updates32, _widen_state(state), _widen(params), **extra_args)
         return _cast_like(_rescaled(new_updates, rescale), updates), _store(new_state, storage)
 
     def init_fn(params: PyTree) -> PyTree:
