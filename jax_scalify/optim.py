@@ -106,6 +106,37 @@ def _warn_if_second_moment_too_narrow(state: PyTree, storage: _Storage) -> None:
         )
 
 
+# Mechanic (optax.contrib.mechanize) keeps EMAs with betas up to 0.999999 and the initial
+# parameters, whose difference from the current ones it uses: below float32 they stall.
+MECHANIC_FIELDS = ("r", "m", "v", "s", "x0")
+
+
+def _warn_if_mechanic_state_too_narrow(state: PyTree, storage: _Storage) -> None:
+    """Mechanic's own state stored below float32 trains nothing (measured): say so and how to store it."""
+    narrow = set()
+
+    def check(x):
+        if isinstance(x, optax.contrib.MechanicState):
+            for name in MECHANIC_FIELDS:
+                for path, leaf in jax.tree_util.tree_flatten_with_path(getattr(x, name))[0]:
+                    dtype = storage.dtype_at((jax.tree_util.GetAttrKey(name), *path))
+                    if _is_narrowed(leaf) and np.dtype(dtype).itemsize < WORK_DTYPE.itemsize:
+                        narrow.add(np.dtype(dtype).name)
+        return x
+
+    jax.tree.map(check, state, is_leaf=lambda x: isinstance(x, optax.contrib.MechanicState))
+    if narrow:
+        warnings.warn(
+            f"jsa.optim.scale_state: optax.contrib.mechanize's own state is stored in {', '.join(sorted(narrow))}. "
+            "Its EMAs (betas up to 0.999999) move below the rounding step of 16-bit formats and it uses the "
+            "difference between the parameters and a stored copy of the initial ones, so it stalls: measured "
+            "on an MLP, the loss stays at its initial value unless r, m, v, s and x0 are all float32. Store "
+            "them so: field_dtypes={name: jnp.float32 for name in ('r', 'm', 'v', 's', 'x0')} (the wrapped "
+            "optimizer's moments can stay float16).",
+            stacklevel=3,
+        )
+
+
 def _floating_dtype(dtype: DTypeLike, what: str) -> np.dtype:
     try:
         dtype = np.dtype(dtype)
@@ -296,6 +327,14 @@ def scale_state(
     rest of the subnormal range rounding to nearest may lower ``nu`` by up to a third, a
     step up to ``sqrt(1.5)`` times float32's on those entries.
 
+    Optimizers whose state must stay float32 (measured on the MLP of ``tests/programs``,
+    60 steps): ``optax.contrib.mechanize`` keeps EMAs with betas up to 0.999999 and a copy of
+    the initial parameters; any of its own fields below float32 and the loss stays at its
+    initial value (``init`` warns and gives the ``field_dtypes`` to use). ``prodigy`` trains
+    with float16 state but not with float16 *parameters*: its first steps (``d0 = 1e-6``)
+    are below half a unit in the last place of the weights, so ``params + update`` rounds
+    them away, as in any FP16 training without float32 master weights.
+
     FP8 and bfloat16: store only first moments below float16 precision
     (``field_dtypes={"mu": jnp.float8_e4m3fn, "trace": jnp.float8_e4m3fn}``). A first moment's
     EMA (``b1 = 0.9``) moves by 10% a step, about FP8's rounding step: stored in E4M3 it stays
@@ -350,6 +389,7 @@ def scale_state(
     def init_fn(params: PyTree) -> PyTree:
         state = inner.init(_widen(asarray(params)))
         _warn_if_second_moment_too_narrow(state, storage)
+        _warn_if_mechanic_state_too_narrow(state, storage)
         return init_stored(state)
 
     def update_fn(updates: PyTree, state: PyTree, params: PyTree | None = None, **extra_args) -> tuple[PyTree, PyTree]:

@@ -427,6 +427,22 @@ def test_second_moment_below_float16_precision_warns():
         scale_state(optax.lion(1e-3), jnp.float8_e4m3fn).init(params)
 
 
+def test_mechanic_state_below_float32_warns_and_the_advised_storage_does_not():
+    """Measured on the MLP of tests/programs: the loss stays at ln(10) unless all five fields are float32."""
+    params = {"w": jnp.ones((2, 2))}
+    with pytest.warns(UserWarning, match="mechanize"):
+        scale_state(optax.contrib.mechanize(optax.adam(1e-3)), jnp.float16).init(params)
+    with pytest.warns(UserWarning, match="mechanize"):
+        scale_state(optax.contrib.mechanize(optax.adam(1e-3)), jnp.float16, field_dtypes={"x0": jnp.float32}).init(
+            params
+        )
+    advised = {name: jnp.float32 for name in ("r", "m", "v", "s", "x0")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scale_state(optax.contrib.mechanize(optax.adam(1e-3)), jnp.float16, field_dtypes=advised).init(params)
+        scale_state(optax.adam(1e-3), jnp.float16).init(params)
+
+
 # --- (d) bad input ------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.bool_, jnp.float64, "not a dtype"])
 def test_non_float_storage_dtype_is_rejected(dtype):
