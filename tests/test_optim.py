@@ -266,13 +266,15 @@ MORE_TRANSFORMATIONS = {
     "amsgrad": lambda: optax.amsgrad(1e-2),
     "sgd_then_ema": lambda: optax.chain(optax.sgd(1e-2), optax.ema(0.9)),
     "schedule_free_adamw": lambda: optax.contrib.schedule_free_adamw(1e-2),
+    "sm3": lambda: optax.sm3(1e-1),  # its momentum is named nu, like a second moment
+    "adan": lambda: optax.adan(1e-2),  # its signed gradient-difference EMA is named v
     "sgdr_schedule": lambda: optax.sgd(
         optax.sgdr_schedule([dict(init_value=0.0, peak_value=1e-2, warmup_steps=2, decay_steps=5)] * 2)
     ),
 }
 
 
-@pytest.mark.slow  # 15 more optimizers, two compilations each; the default run covers the five main ones
+@pytest.mark.slow  # 17 more optimizers, two compilations each; the default run covers the five main ones
 @pytest.mark.parametrize("name", MORE_TRANSFORMATIONS)
 def test_more_optax_transformations_equal_the_plain_ones_in_float32_and_train_in_float16(name):
     """Wrappers (MultiSteps, multi_transform, apply_if_finite, masked), factored and
@@ -343,6 +345,33 @@ def test_extra_args_reach_the_inner_transformation():
     assert float(state[1].scale) < 1.0  # the plateau halved the rate
 
 
+@pytest.mark.slow  # 20 s: two compilations of the zoom line search's while loops
+def test_lbfgs_with_its_linesearch_trains_in_float16_like_float32():
+    """``optax.lbfgs`` as its documentation drives it (``value_and_grad_from_state``, ``value_fn``
+    for the zoom line search, ``while`` loops inside the update), its arrays stored in float16.
+    The state's value is a float32 scalar, like every floating scalar of the state, so the
+    loss is computed in float32 (``value_and_grad_from_state`` selects between the two)."""
+    params, x, y = task((16, 4), n=64)
+    inner = optax.lbfgs()
+
+    def make_lbfgs_step(tx):
+        def step(params, opt_state, x, y):
+            objective = lambda p: loss_fn(p, x, y).astype(jnp.float32)  # noqa: E731
+            value, grads = optax.value_and_grad_from_state(objective)(params, state=opt_state)
+            updates, opt_state = tx.update(grads, opt_state, params, value=value, grad=grads, value_fn=objective)
+            return value, optax.apply_updates(params, updates), opt_state
+
+        return step
+
+    expected, *_ = train(make_lbfgs_step(inner), params, inner.init(params), x, y, 8)
+    tx = scale_state(inner, jnp.float16)
+    sparams = jsa.tree.astype(jsa.as_scaled_array(params), jnp.float16)
+    batch = jsa.tree.astype((x, y), jnp.float16)
+    losses, *_ = train(jsa.scalify(make_lbfgs_step(tx)), sparams, tx.init(sparams), *batch, 8)
+    assert expected[-1] < 0.1 * expected[0]
+    np.testing.assert_allclose(losses, expected, rtol=2e-2)
+
+
 def wide_range_gradients(rows=16, cols=32, decades=8.0, seed=0):
     """Row ``i`` of the gradient has magnitude ``10**(-decades * i / (rows - 1))``: a range of 2**26."""
     rng = np.random.default_rng(seed)
@@ -357,7 +386,7 @@ def test_float16_adam_on_a_wide_range_gradient_steps_no_further_than_float32(jit
     One scale per tensor cannot hold that range in float16: rounded to nearest, the small
     entries of ``nu`` become 0 beside a first moment that is not, and Adam's step there is
     ``mu / eps`` (seen in a RealNVP flow in FP16: steps 270 times the learning rate, NaN
-    at step 39). Widened no lower than float16's smallest subnormal, ``nu`` is overestimated
+    at step 39). With its stored zeros widened to float16's smallest subnormal, ``nu`` is overestimated
     there and the step is smaller than float32 Adam's; elsewhere in the subnormal range rounding to nearest
     can lower ``nu`` by up to a third (1.49 units in the last place to 1), a step up to
     ``sqrt(1.5)`` times float32's. The largest row is held to 1%.
@@ -394,6 +423,25 @@ def test_a_stored_zero_second_moment_beside_a_first_moment_gives_a_bounded_step(
     assert 0 < steps[1] < 10.0  # mu / sqrt(smallest subnormal), not mu / eps = 1e5
     # mu' = 0.9, nu' = 0.999 after a zero gradient; bias-corrected: 9 / sqrt(999)
     np.testing.assert_allclose(steps[0], 9 / np.sqrt(999), rtol=1e-3)
+
+
+def test_a_signed_field_named_like_a_divisor_keeps_its_negative_entries():
+    """SM3's momentum is named ``nu``, the name of Adam's second moment: the floor under
+    divisors moves only stored zeros, so its negative entries stay negative (flooring every
+    entry at the smallest subnormal made them all tiny and positive: SM3 in FP16 ended 48%
+    above FP32 on the MLP of ``tests/programs``)."""
+    tx = scale_state(optax.sm3(1.0), jnp.float16)
+    sm3_state, empty = tx.init({"w": jnp.ones((2, 2))})
+    momentum = jsa.ScaledArray(jnp.asarray([[-1.0, 0.5], [0.0, -0.25]], jnp.float16), jnp.float32(1.0))
+    state = (sm3_state._replace(nu={"w": momentum}), empty)
+    grads = {"w": jsa.as_scaled_array(jnp.zeros((2, 2)))}
+    updates, new_state = jsa.scalify(tx.update)(grads, state)
+    # A zero gradient: the new momentum is b1 = 0.9 times the old one, the update its opposite
+    # (learning rate 1); its zero entry may become float16's smallest subnormal (scale 1).
+    expected = 0.9 * np.asarray([[-1.0, 0.5], [0.0, -0.25]])
+    new_momentum, step = jsa.asarray(new_state[0].nu)["w"], jsa.asarray(updates)["w"]
+    np.testing.assert_allclose(np.asarray(new_momentum, np.float32), expected, rtol=1e-3, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(step, np.float32), -expected, rtol=1e-3, atol=1e-7)
 
 
 def test_field_dtypes_store_one_moment_in_fp8():
