@@ -6,7 +6,7 @@ logic:
 - reading elements (``dynamic_slice``, ``gather``, ``sort``, the values of ``top_k`` and
   ``approx_top_k``) keeps the scale: the primitive is applied to the data;
 - writing elements of one floating array into another (``dynamic_update_slice``,
-  ``scatter``, ``scatter_min``/``scatter_max``, ``scatter_add``) aligns both to the largest
+  ``scatter``, ``scatter_min``/``scatter_max``, ``scatter_add``/``scatter_sub``) aligns both to the largest
   scale, an any-scale operand (constant 0 or ±inf) adopting it;
 - ``scatter_mul`` keeps the operand's scale and applies the updates by value (see its rule).
 
@@ -19,12 +19,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
-from ..core.registry import register_scaled_lax_op
+from ..core.registry import primitive_of, register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
     align_to_largest,
     as_scale,
@@ -37,6 +38,14 @@ from .base_scaling import (
 )
 
 Array = Any
+
+# `x.at[i].subtract(y)`'s primitive; not exported by `jax.extend`.
+scatter_sub_p: Primitive = primitive_of(
+    lambda x, i, u: lax.scatter_sub(x, i, u, lax.ScatterDimensionNumbers((), (0,), (0,))),
+    np.zeros((2,), np.float32),
+    np.zeros((1, 1), np.int32),
+    np.zeros((1,), np.float32),
+)
 
 
 def _fill_needs_scaling(mode: Any, fill_value: Any) -> bool:
@@ -102,6 +111,12 @@ def scaled_scatter_add(operand: ScaledArray, indices: Array, updates: ScaledArra
     return _bind_scatter_aligned(P.scatter_add_p, operand, indices, updates, **params)
 
 
+@register_scaled_op(scatter_sub_p)
+def scaled_scatter_sub(operand: ScaledArray, indices: Array, updates: ScaledArray, **params) -> ScaledArray:
+    """As ``scatter_add``: operand and updates aligned to the largest scale, no sqrt(K) factor."""
+    return _bind_scatter_aligned(scatter_sub_p, operand, indices, updates, **params)
+
+
 @register_scaled_lax_op
 def scaled_scatter_mul(operand: ScaledArray, indices: Array, updates: ScaledArray, **params) -> ScaledArray:
     """Operand's scale kept; updates applied by value (scale 1), exact for any number of updates per element.
@@ -165,6 +180,8 @@ __all__ = [
     "scaled_scatter_max",
     "scaled_scatter_min",
     "scaled_scatter_mul",
+    "scaled_scatter_sub",
     "scaled_sort",
     "scaled_top_k",
+    "scatter_sub_p",
 ]

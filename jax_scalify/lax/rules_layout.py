@@ -3,7 +3,7 @@
 These primitives move, copy or drop elements without arithmetic, so:
 
 - single-operand layout ops are applied to the data and keep the scale;
-- ops that merge several floating operands into one array (``concatenate``, ``pad``) align
+- ops that merge several floating operands into one array (``concatenate``, ``stack``, ``pad``) align
   the operands to the largest scale, an any-scale operand (constant 0 or ±inf) adopting it.
 
 Every rule binds the primitive itself on the data with the equation's params, so the output
@@ -41,9 +41,12 @@ from .base_scaling import (
 
 Array = Any
 
-# `split` is a primitive since JAX 0.4.36 but `jax.extend` does not export it.
+# `split`, `stack` and `unstack` are primitives (`jnp.stack`'s transpose is `unstack`) that
+# `jax.extend` does not export.
 tile_p: Primitive = primitive_of(lambda x: jnp.tile(x, 2), np.zeros((2,), np.float32))
 split_p: Primitive = primitive_of(lambda x: jnp.split(x, 2), np.zeros((2,), np.float32))
+stack_p: Primitive = primitive_of(lambda x: jnp.stack([x, x]), np.zeros((2,), np.float32))
+unstack_p: Primitive = primitive_of(lambda x: jnp.unstack(x), np.zeros((2,), np.float32))
 
 
 def _scale_with_scalar_fill(operand: ScaledArray, fill: ScaledArray) -> Array:
@@ -118,6 +121,19 @@ def scaled_concatenate(*operands: ScaledArray, **params) -> ScaledArray:
     return bind_aligned(P.concatenate_p, operands, **params)
 
 
+@register_scaled_op(stack_p)
+def scaled_stack(*operands: ScaledArray, **params) -> ScaledArray:
+    """Operands aligned to the largest scale (any-scale operands adopt it), then stacked."""
+    return bind_aligned(stack_p, operands, **params)
+
+
+@register_scaled_op(unstack_p)
+def scaled_unstack(operand: ScaledArray, **params) -> list[ScaledArray]:
+    """Every piece keeps the operand's scale (unstack applied to the data)."""
+    operand = with_scalar_scale(operand)
+    return [ScaledArray(piece, operand.scale) for piece in unstack_p.bind(operand.data, **params)]
+
+
 @register_scaled_lax_op
 def scaled_pad(operand: ScaledArray, padding_value: ScaledArray, **params) -> ScaledArray:
     """Operand and padding value aligned to the largest scale; a 0 or ±inf padding value adopts the operand's."""
@@ -136,8 +152,12 @@ __all__ = [
     "scaled_slice",
     "scaled_split",
     "scaled_squeeze",
+    "scaled_stack",
     "scaled_tile",
     "scaled_transpose",
+    "scaled_unstack",
     "split_p",
+    "stack_p",
     "tile_p",
+    "unstack_p",
 ]

@@ -1,4 +1,4 @@
-"""Scale rules of the primitives that pass values through: ``name`` and ``device_put``.
+"""Scale rules of the primitives that pass values through: ``name``, ``device_put``, ``optimization_barrier``.
 
 - ``name`` (``jax.ad_checkpoint.checkpoint_name``): the data carries the name, the scale is
   unchanged; a traced scale is named too, so a checkpoint policy that saves the name saves
@@ -7,6 +7,8 @@
   ``jnp.array``): the data goes where the plain value would go, with the same copy
   semantics; a traced scale goes along, replicated over a ``NamedSharding``'s mesh (a
   scalar cannot be partitioned). Scales folded at trace time stay constants.
+- ``optimization_barrier`` (``jax.lax.optimization_barrier``): the data and the traced
+  scales go through one barrier together, so what it orders is the whole value.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ import numpy as np
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
-from ..core.registry import register_scaled_lax_op
+from ..core.registry import primitive_of, register_scaled_lax_op, register_scaled_op
 from .base_scaling import with_scalar_scale
 
 Array = Any
+
+# Not exported by `jax.extend`.
+optimization_barrier_p = primitive_of(jax.lax.optimization_barrier, np.zeros((2,), np.float32))
 
 
 def _is_traced_scale(scale: Any) -> bool:
@@ -71,4 +76,18 @@ def scaled_device_put(
     ]
 
 
-__all__ = ["scaled_device_put", "scaled_name"]
+@register_scaled_op(optimization_barrier_p)
+def scaled_optimization_barrier(*xs: Any) -> list:
+    """Scale unchanged: the data and the traced scales pass through one barrier together."""
+    xs = [with_scalar_scale(x) if isinstance(x, ScaledArray) else x for x in xs]
+    traced = [i for i, x in enumerate(xs) if isinstance(x, ScaledArray) and _is_traced_scale(x.scale)]
+    values = [x.data if isinstance(x, ScaledArray) else x for x in xs] + [xs[i].scale for i in traced]
+    outs = optimization_barrier_p.bind(*values)
+    scales = dict(zip(traced, outs[len(xs) :]))
+    return [
+        ScaledArray(outs[i], scales.get(i, x.scale)) if isinstance(x, ScaledArray) else outs[i]
+        for i, x in enumerate(xs)
+    ]
+
+
+__all__ = ["optimization_barrier_p", "scaled_device_put", "scaled_name", "scaled_optimization_barrier"]

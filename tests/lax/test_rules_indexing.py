@@ -41,6 +41,7 @@ INVARIANCE_CASES = [
     Case("scatter", lambda x, i, u: x.at[i].set(u), [normal(4, 3), integers(2), normal(2, 3)], grad=True),
     Case("scatter_zero", lambda x, i: x.at[i].set(0.0), [normal(4, 3), _ROWS], grad=True),
     Case("scatter_add", lambda x, i, u: x.at[i].add(u), [normal(4, 3), _ROWS, normal(5, 3)], grad=True),
+    Case("scatter_sub", lambda x, i, u: x.at[i].subtract(u), [normal(4, 3), _ROWS, normal(5, 3)], grad=True),
     Case("scatter_add_drop", lambda x, i, u: x.at[i].add(u, mode="drop"), [normal(4, 3), _OOB, normal(5, 3)]),
     Case("scatter_mul", lambda x, i, u: x.at[i].mul(u), [normal(4, 3), _ROWS, normal(5, 3)], grad=True),
     Case("scatter_mul_const", lambda x, i: x.at[i].mul(4.0), [normal(4, 3), _ROWS], grad=True),

@@ -25,6 +25,12 @@ INVARIANCE_CASES = [
     Case("name", lambda x: jax.ad_checkpoint.checkpoint_name(x * 2.0, "scaled"), [normal(*SHAPE)], grad=True),
     Case("name_in_checkpoint", _remat_mlp, [normal(*SHAPE), normal(4, 4)], grad=True),
     Case("device_put", lambda x: jax.device_put(x * 2.0, jax.devices()[0]), [normal(*SHAPE)], grad=True),
+    Case(
+        "optimization_barrier",
+        lambda x, y: jax.lax.optimization_barrier((x * 2.0, y, jnp.arange(3))),
+        [normal(*SHAPE), normal(2)],
+    ),
+    Case("optimization_barrier_grad", lambda x: jax.lax.optimization_barrier(x * 2.0) * x, [normal(*SHAPE)], grad=True),
     Case("device_put_tree", lambda x, y: jax.device_put((x, y, jnp.arange(3))), [normal(*SHAPE), normal(2)]),
 ]
 
