@@ -11,7 +11,12 @@ assumption fails in a few predictable places, and the static scales drift from t
   every iteration (a scale growing by a constant factor per step of an RNN);
 - the values a step returns as the next step's state (parameters, optimizer moments): a
   static scale never follows the value down (``b1 * m + (1 - b1) * g`` keeps ``m``'s scale
-  while ``m`` decays), so the drift accumulates over steps.
+  while ``m`` decays), so the drift accumulates over steps;
+- products of two values that share one scale (``x * x``, or slices of one array multiplied
+  together, as ``jax.lax.associative_scan``'s combine does at every level): the product
+  squares both the scale and any departure of the data from unit size, so repeated
+  squarings compound it exponentially (a cumulative product over 256 steps of data in
+  ``[1, 2)`` overflows float32 data, and its scale leaves float32's range).
 
 At these points a :class:`RescalePolicy` rescales dynamically: the root mean square (or
 another statistic) of the data is rounded to a power of two and moved into the scale.
@@ -60,6 +65,10 @@ class RescalePolicy:
         outputs: rescale the floating scaled outputs of the scalified function (the state
             handed to the next step), together. Outputs already rescaled as gradients are
             not rescaled twice.
+        self_products: rescale the product of two operands that share one scale object
+            (``x * x``; slices of one array multiplied together, as in the combine of
+            ``jax.lax.associative_scan`` or ``jnp.cumprod`` written as a parallel scan).
+            Products of independent values (activations and weights) are left static.
         norm: the statistic moved into the scale: ``"l2"`` (root mean square, the
             default), ``"l1"`` (mean absolute value) or ``"max"`` (maximum absolute value).
             It is rounded to a power of two with the configured rounding mode.
@@ -78,11 +87,12 @@ class RescalePolicy:
     gradients: bool = True
     loop_carries: bool = True
     outputs: bool = True
+    self_products: bool = True
     norm: str = "l2"
     sample_size: int | None = 4096
 
     def __post_init__(self):
-        for field in ("gradients", "loop_carries", "outputs"):
+        for field in ("gradients", "loop_carries", "outputs", "self_products"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"RescalePolicy.{field} must be True or False, got {getattr(self, field)!r}.")
         if self.norm not in _NORMS:
@@ -94,11 +104,11 @@ class RescalePolicy:
     @classmethod
     def static(cls) -> RescalePolicy:
         """The paper's pure static propagation: no automatic rescale anywhere."""
-        return cls(gradients=False, loop_carries=False, outputs=False)
+        return cls(gradients=False, loop_carries=False, outputs=False, self_products=False)
 
     @property
     def is_static(self) -> bool:
-        return not (self.gradients or self.loop_carries or self.outputs)
+        return not (self.gradients or self.loop_carries or self.outputs or self.self_products)
 
 
 DEFAULT_POLICY = RescalePolicy()
@@ -196,6 +206,12 @@ def was_rescaled(x: Any) -> bool:
     return _rescaled_by_policy().get(id(x)) is x
 
 
+def rescale_self_product(product: Any, a: Any, b: Any) -> Any:
+    """``product = a * b`` rescaled if ``a`` and ``b`` share one scale object and the policy says so."""
+    shared = isinstance(a, ScaledArray) and isinstance(b, ScaledArray) and a.scale is b.scale
+    return rescale(product) if shared and active_policy().self_products else product
+
+
 def rescale_loop_carries(carries: Sequence[Any]) -> list:
     """The carries of one loop iteration, rescaled if the active policy says so."""
     if not active_policy().loop_carries:
@@ -272,5 +288,6 @@ __all__ = [
     "rescale",
     "rescale_all",
     "rescale_loop_carries",
+    "rescale_self_product",
     "was_rescaled",
 ]

@@ -30,6 +30,7 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import Pow2RoundMode, get_scalify_config
+from ..core.policy import rescale_self_product
 from ..core.pow2 import pow2_round_positive_or_one
 from ..core.registry import register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
@@ -174,9 +175,11 @@ def scaled_mul(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Scale sa * sb, data da * db (a scale past the float32 range moves its excess into the data).
 
     A broadcast scalar constant was promoted to a mantissa in [1, 2) and a power-of-two
-    scale, so its exponent folds into the output scale.
+    scale, so its exponent folds into the output scale. Operands that share one scale
+    (``x * x``, slices of one array) square their data's departure from unit size: the
+    rescale policy's ``self_products`` rescales that product from its data.
     """
-    return scaled_product(_bind(P.mul_p, a, b, **params), a.scale, b.scale)
+    return rescale_self_product(scaled_product(_bind(P.mul_p, a, b, **params), a.scale, b.scale), a, b)
 
 
 @register_scaled_lax_op(scalar_preserving=_exact_scalar(np.divide))

@@ -37,7 +37,8 @@ def test_default_and_static_presets():
     default = jsa.RescalePolicy()
     assert default.gradients and default.loop_carries and default.outputs and default.norm == "l2"
     assert not default.is_static
-    assert STATIC.is_static and not (STATIC.gradients or STATIC.loop_carries or STATIC.outputs)
+    assert default.self_products
+    assert STATIC.is_static and not (STATIC.gradients or STATIC.loop_carries or STATIC.outputs or STATIC.self_products)
     assert jsa.RescalePolicy is jsa.core.RescalePolicy
 
 
@@ -86,6 +87,53 @@ def test_integer_and_any_scale_outputs_are_left_alone():
     idx, zeros = jsa.scalify(fn)(scaled(X, 4))
     assert not isinstance(idx, jsa.ScaledArray)
     assert jsa.extend.is_any_scale(zeros) or not isinstance(zeros, jsa.ScaledArray) or float(zeros.scale) in (0.0, 1.0)
+
+
+# --- self products ---------------------------------------------------------------------------
+DECAYS = RNG.uniform(0.9, 0.999, (8,)).astype(np.float32)  # an LRU-style decay per channel
+INPUTS = RNG.standard_normal((256, 8)).astype(np.float32)
+
+
+def linear_recurrence(decays, inputs):
+    """``h[t] = a * h[t-1] + x[t]`` as a parallel scan (S5, LRU, Mamba), and the decays' running products."""
+    a = jnp.broadcast_to(decays, inputs.shape)
+    return jax.lax.associative_scan(
+        lambda left, right: (left[0] * right[0], right[0] * left[1] + right[1]), (a, inputs), axis=0
+    )
+
+
+@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eager", "jit"])
+def test_a_parallel_scan_of_products_stays_finite_from_the_recipe_state(jit):
+    """``as_scaled_array`` gives decays in (0.9, 1) data in [1.8, 2) and scale 1/2; the scan
+    squares slices of one array at each of its 8 levels, so statically the running products'
+    data reach 2**237 (inf) and, traced, their scale 2**-256 (0): NaN where plain float32 is
+    finite. Rescaling the products of operands sharing one scale keeps them exact."""
+    fn = jsa.scalify(jax.value_and_grad(lambda a, x: jnp.mean(linear_recurrence(a, x)[1] ** 2)))
+    fn = jax.jit(fn) if jit else fn
+    value, grad = fn(jsa.as_scaled_array(DECAYS), jsa.as_scaled_array(INPUTS))
+    expected_value, expected_grad = jax.value_and_grad(lambda a, x: jnp.mean(linear_recurrence(a, x)[1] ** 2))(
+        DECAYS, INPUTS
+    )
+    np.testing.assert_allclose(np.asarray(jsa.asarray(value)), expected_value, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(jsa.asarray(grad)), expected_grad, rtol=1e-4)
+    products = jsa.scalify(jax.jit(linear_recurrence))(jsa.as_scaled_array(DECAYS), jsa.as_scaled_array(INPUTS))[0]
+    np.testing.assert_allclose(
+        np.asarray(jsa.asarray(products)), np.cumprod(np.broadcast_to(DECAYS, INPUTS.shape), 0), rtol=1e-4
+    )
+
+
+SELF_PRODUCTS_ONLY = jsa.RescalePolicy(gradients=False, loop_carries=False, outputs=False)
+
+
+def test_only_products_of_operands_sharing_a_scale_are_rescaled():
+    x, w = scaled(8 * X, -6), scaled(8 * X[:, ::-1], -6)  # data RMS 8: a square's is about 110
+    square = jsa.scalify(lambda x: x * x, policy=SELF_PRODUCTS_ONLY)(x)
+    assert float(square.scale) >= 2.0**-6 and 1 <= data_rms(square) < 2  # its RMS moved into the scale
+    independent = jsa.scalify(lambda x, w: x * w, policy=SELF_PRODUCTS_ONLY)(x, w)
+    assert float(independent.scale) == 2.0**-12  # the static product of the two scales
+    static = jsa.scalify(lambda x: x * x, policy=STATIC)(x)
+    assert float(static.scale) == 2.0**-12
+    np.testing.assert_array_equal(exact_value(square), exact_value(static))
 
 
 # --- gradients -------------------------------------------------------------------------------
