@@ -15,7 +15,9 @@ For each program (see the modules of this package):
 
 The invariance checks of five programs and the short FP16 run of the NNX CNN (``DEFAULT_FP16``) are
 part of the default test run; the GPT's invariance, the other short FP16 runs, the FP8 runs
-and the long FP16 runs are marked ``slow`` (run them with ``-m slow``).
+and the long FP16 runs are marked ``slow`` (run them with ``-m slow``), as are the checks of
+``MORE_PROGRAMS`` (a Linen ResNet with BatchNorm statistics, a Linen LSTM, NNX LoRA) and of
+the RealNVP flow.
 """
 
 from __future__ import annotations
@@ -28,10 +30,25 @@ import pytest
 
 import jax_scalify as jsa
 
-from . import cnn_nnx, conv_eqx, diffusion_linen, flow_linen, gpt_linen, gru_eqx, mlp_jax
+from . import (
+    cnn_nnx,
+    conv_eqx,
+    diffusion_linen,
+    flow_linen,
+    gpt_linen,
+    gru_eqx,
+    lora_nnx,
+    lstm_linen,
+    mlp_jax,
+    recipe,
+    resnet_linen,
+)
 from .harness import Program, _as_jax, _leaf_errors, final_loss, invariance_errors, relative_excess, train
 
 PROGRAMS = [m.PROGRAM for m in (gpt_linen, cnn_nnx, gru_eqx, conv_eqx, diffusion_linen, mlp_jax)]
+# More idioms, checked in the slow run only (invariance and short FP16 training): Linen
+# BatchNorm with a mutable batch_stats collection, Linen's nn.RNN over an LSTM cell, NNX LoRA.
+MORE_PROGRAMS = [m.PROGRAM for m in (resnet_linen, lstm_linen, lora_nnx)]
 DENSE_PROGRAMS = [p for p in PROGRAMS if p.has_dense]
 INVARIANCE_TOLERANCE = 1e-4
 FP16_TOLERANCE = 0.05
@@ -115,6 +132,35 @@ def test_fp16_long(program: Program, record_property):
 @by_name(DENSE_PROGRAMS)
 def test_fp8_long(program: Program, record_property):
     check_fp8(program, program.slow_steps, record_property)
+
+
+@pytest.mark.slow
+@by_name(MORE_PROGRAMS)
+def test_more_programs_float32_invariance(program: Program):
+    errors = invariance_errors(program, steps=2)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= INVARIANCE_TOLERANCE, f"{program.name}: {errors[worst]:.3g} at {worst}"
+
+
+@pytest.mark.slow
+@by_name(MORE_PROGRAMS)
+def test_more_programs_fp16(program: Program, record_property):
+    check_fp16(program, program.fp16_steps, record_property)
+
+
+@pytest.mark.slow
+def test_lora_base_weights_stay_exactly_where_they_were_in_fp16():
+    """Only the adapters train: the frozen float16 base weights keep their values exactly."""
+    program = lora_nnx.PROGRAM
+    tx = recipe.optimizer(program.make_optimizer())
+    model, optimizer = recipe.scale_state(program.init(0, tx, False))
+    base_before = recipe.value(model.hidden1.kernel.get_value())
+    step = recipe.compile_step(program.make_train_step(tx, False), program.jit)
+    for batch in program.batches(0, 5):
+        step(model, optimizer, *recipe.scale_batch(_as_jax(batch)))
+    np.testing.assert_array_equal(np.asarray(recipe.value(model.hidden1.kernel.get_value())), np.asarray(base_before))
+    adapter = recipe.value(model.hidden1.lora.lora_b.get_value())
+    assert np.any(np.asarray(adapter) != 0), "the adapter did not train"
 
 
 @pytest.mark.slow
