@@ -58,8 +58,11 @@ class RescalePolicy:
             of them together once the backward pass is done (before the first forward use
             of any). Inside the backward pass, a plain array that meets scaled data (the
             loss's cotangent times plain inputs such as one-hot labels: ``1 / N`` sits in
-            its values) is promoted with its statistic as scale instead of scale 1; the
-            rest of the backward pass is static.
+            its values) is promoted with its statistic as scale instead of scale 1, and a
+            sum of float16/FP8 data (``reduce_sum``, ``cumsum``, ``psum``) is accumulated in
+            float32 and rescaled from its result before it is narrowed (the transposes of
+            broadcasts add contributions that share a sign: up to ``K`` times a term, not
+            the ``sqrt(K)`` of the static rule); the rest of the backward pass is static.
         loop_carries: rescale the scaled carries of ``scan`` and ``while`` bodies at every
             iteration (this includes the transposed scans of a backward pass).
         outputs: rescale the floating scaled outputs of the scalified function (the state
@@ -67,8 +70,9 @@ class RescalePolicy:
             not rescaled twice.
         self_products: rescale the product of two operands that share one scale object
             (``x * x``; slices of one array multiplied together, as in the combine of
-            ``jax.lax.associative_scan`` or ``jnp.cumprod`` written as a parallel scan).
-            Products of independent values (activations and weights) are left static.
+            ``jax.lax.associative_scan`` or ``jnp.cumprod`` written as a parallel scan), and
+            the base of a power ``x ** y`` with ``|y| >= 3`` on float16/FP8 data, before the
+            power. Products of independent values (activations and weights) are left static.
         norm: the statistic moved into the scale: ``"l2"`` (root mean square, the
             default), ``"l1"`` (mean absolute value) or ``"max"`` (maximum absolute value).
             It is rounded to a power of two with the configured rounding mode.
@@ -212,6 +216,19 @@ def rescale_self_product(product: Any, a: Any, b: Any) -> Any:
     return rescale(product) if shared and active_policy().self_products else product
 
 
+def rescale_power_base(x: Any, y: int) -> Any:
+    """The base of ``x ** y`` rescaled first where the power could overflow its data: ``|y| >= 3``
+    on float16/FP8 data, with the policy's ``self_products`` on.
+
+    A power multiplies the data's departure from unit size by ``y``; the cube of float16 data
+    overflows from a departure of 2**5.3 (a parallel-scan recurrence's state reached 2**4.5,
+    its tanh GELU cubed it: inf, then NaN in the backward pass). A square needs 2**8 and is
+    left static (every LayerNorm squares).
+    """
+    narrow = isinstance(x, ScaledArray) and np.finfo(x.dtype).max < np.finfo(np.float32).max
+    return rescale(x) if narrow and abs(y) >= 3 and active_policy().self_products else x
+
+
 def rescale_loop_carries(carries: Sequence[Any]) -> list:
     """The carries of one loop iteration, rescaled if the active policy says so."""
     if not active_policy().loop_carries:
@@ -288,6 +305,7 @@ __all__ = [
     "rescale",
     "rescale_all",
     "rescale_loop_carries",
+    "rescale_power_base",
     "rescale_self_product",
     "was_rescaled",
 ]

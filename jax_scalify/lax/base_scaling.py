@@ -24,6 +24,8 @@ from jax.extend.core import Jaxpr, Primitive
 
 from ..core.array import ScaledArray, unscaled
 from ..core.config import Pow2RoundMode, get_scalify_config
+from ..core.policy import active_policy, in_backward_pass
+from ..core.policy import rescale as rescale_by_policy
 from ..core.pow2 import is_numpy, numpy_api, pow2_exponent, pow2_round, pow2_round_down, pow2_round_up
 from ..core.promotion import any_scale_array, is_any_scale
 
@@ -449,15 +451,36 @@ def unit_scaled_sum(scale: Array, num_terms: int, reduce: Callable[..., Array], 
     """``reduce(*datas)`` summing ``num_terms`` terms: scale ``* r``, data ``/ r``.
 
     ``1/r`` goes on the inputs for narrow-range dtypes (no overflow of the sum), on the output
-    otherwise (cheaper, exact).
+    otherwise (cheaper, exact). In the backward pass, under a rescale policy whose
+    ``gradients`` component is on, a sum of float16/FP8 data is accumulated in float32 and
+    rescaled from its result before it is narrowed (:func:`_rescaled_backward_sum`).
     """
     r = sqrt_size_pow2(num_terms)
     inv_r = as_scale(1 / r)
-    if narrow_range(datas[0].dtype):
+    dtype = datas[0].dtype
+    if narrow_range(dtype) and num_terms > 1 and active_policy().gradients and in_backward_pass():
+        return _rescaled_backward_sum(scale, r, reduce, datas)
+    if narrow_range(dtype):
         out = reduce(*[mul_data(d, inv_r) for d in datas])
     else:
         out = mul_data(reduce(*datas), inv_r)
     return scaled_product(out, scale, r)
+
+
+def _rescaled_backward_sum(scale: Array, r: np.ndarray, reduce: Callable[..., Array], datas: Sequence[Array]):
+    """A backward-pass sum of narrow data: accumulated in float32, its statistic moved into the scale, narrowed.
+
+    Most sums of a backward pass are transposes of broadcasts: per-example (per-token,
+    per-step) contributions to one gradient entry, which share its sign, so the sum grows
+    up to ``K`` times a term rather than ``sqrt(K)``. Float16 data overflow at ``2**16``
+    where the static ``sqrt(K)`` scale underestimates that (a parallel-scan recurrence's
+    decay gradient, 1,024 terms: NaN at the second step of an FP16 LRU), while a ``K``
+    scale would push the data of uncorrelated sums towards float16's subnormals (a GPT's
+    backward data down to ``2**-16``). The result's own statistic settles it.
+    """
+    inv_r = as_scale(1 / r)
+    wide = reduce(*[mul_data(d.astype(jnp.float32), inv_r) for d in datas])
+    return rescale_by_policy(scaled_product(wide, scale, r)).astype(datas[0].dtype)
 
 
 def single_binary_reducer(jaxpr: Jaxpr, consts: Sequence[Any]) -> Primitive | None:

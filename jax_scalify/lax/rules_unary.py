@@ -28,6 +28,7 @@ from jax.extend.core import Primitive
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
+from ..core.policy import rescale_power_base
 from ..core.registry import register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
     ScaleMap,
@@ -107,7 +108,12 @@ scaled_round = _on_value_rule(P.round_p, _scale_floored_at_one, _ROUNDING_DOC)
 # --- powers and roots ------------------------------------------------------------------------
 @register_scaled_lax_op
 def scaled_integer_pow(x: ScaledArray, *, y: int, **params) -> ScaledArray:
-    """Scale s**y (exact for a power of two; past the float32 range the excess goes into the data), data da**y."""
+    """Scale s**y (exact for a power of two; past the float32 range the excess goes into the data), data da**y.
+
+    A float16/FP8 base with ``|y| >= 3`` is first rescaled by the rescale policy's
+    ``self_products`` (its cube would overflow from a departure of 2**5.3 from unit size).
+    """
+    x = rescale_power_base(x, y)
     return scaled_power(P.integer_pow_p.bind(x.data, y=y, **params), x.scale, y)
 
 

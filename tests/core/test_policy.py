@@ -136,6 +136,19 @@ def test_only_products_of_operands_sharing_a_scale_are_rescaled():
     np.testing.assert_array_equal(exact_value(square), exact_value(static))
 
 
+def test_the_cube_of_float16_data_far_from_unit_size_does_not_overflow():
+    """Data of RMS 48 under one scale (a departure of 2**5.6, as a parallel-scan state reaches
+    under static scales) cube to inf in float16 (the tanh GELU's ``x ** 3``); the policy
+    rescales the base first. Squares stay static."""
+    x = jsa.ScaledArray(jnp.asarray(48 * X, jnp.float16), jnp.float32(2.0**-6))
+    cube = lambda policy: jsa.scalify(lambda x: x**3, policy=policy)(x)  # noqa: E731
+    assert not np.all(np.isfinite(np.asarray(cube(STATIC).data, np.float32)))
+    got = np.asarray(cube(SELF_PRODUCTS_ONLY).to_array(jnp.float32), np.float64)
+    np.testing.assert_allclose(got, exact_value(x) ** 3, rtol=4e-3, atol=1e-6)
+    square = jsa.scalify(lambda x: x**2, policy=SELF_PRODUCTS_ONLY)(x)
+    assert float(square.scale) == 2.0**-12
+
+
 # --- gradients -------------------------------------------------------------------------------
 def test_gradient_boundary_is_the_values_leaving_the_backward_pass():
     closed = jax.make_jaxpr(sgd_step)(W, X)
@@ -192,6 +205,22 @@ def test_manual_rescales_compose_with_the_default_policy():
     exp_loss, exp_grads = jax.jit(step)(W, X)
     np.testing.assert_allclose(exact_value(grads), exp_grads, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(exact_value(loss), exp_loss, rtol=1e-6)
+
+
+def test_a_float16_sum_of_same_signed_terms_in_the_backward_pass_does_not_overflow():
+    """The gradient of a broadcast parameter sums its per-row contributions: 1,024 terms of data
+    4,000 share a sign, so the sum is 32 times what the static ``sqrt(K)`` scale expects and
+    overflows float16 data (inf under the static policy). Summed in float32 and rescaled from
+    its result, it is exact."""
+    bias = jsa.tree.astype(jsa.as_scaled_array(jnp.ones(64)), jnp.float16)
+    terms = jsa.ScaledArray(jnp.full((1024, 64), 4000.0, jnp.float16), jnp.float32(1.0))
+
+    def grad_of_bias(policy):
+        grad = jax.grad(lambda b, c: jnp.sum((jnp.broadcast_to(b, c.shape) * c).astype(jnp.float32)))
+        return jax.jit(jsa.scalify(grad, policy=policy))(bias, terms).to_array(jnp.float32)  # 4e6: beyond float16
+
+    np.testing.assert_array_equal(np.asarray(grad_of_bias(jsa.RescalePolicy())), 1024 * 4000.0)
+    assert not np.any(np.isfinite(np.asarray(grad_of_bias(STATIC))))
 
 
 def test_policy_is_active_only_while_scalify_evaluates():

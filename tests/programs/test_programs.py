@@ -16,8 +16,8 @@ For each program (see the modules of this package):
 The invariance checks of five programs and the short FP16 run of the NNX CNN (``DEFAULT_FP16``) are
 part of the default test run; the GPT's invariance, the other short FP16 runs, the FP8 runs
 and the long FP16 runs are marked ``slow`` (run them with ``-m slow``), as are the checks of
-``MORE_PROGRAMS`` (a Linen ResNet with BatchNorm statistics, a Linen LSTM, NNX LoRA) and of
-the RealNVP flow.
+``MORE_PROGRAMS`` (a Linen ResNet with BatchNorm statistics, a Linen LSTM, NNX LoRA, an
+Equinox parallel-scan recurrence) and of the RealNVP flow.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from . import (
     gpt_linen,
     gru_eqx,
     lora_nnx,
+    lru_eqx,
     lstm_linen,
     mlp_jax,
     recipe,
@@ -47,8 +48,9 @@ from .harness import Program, _as_jax, _leaf_errors, final_loss, invariance_erro
 
 PROGRAMS = [m.PROGRAM for m in (gpt_linen, cnn_nnx, gru_eqx, conv_eqx, diffusion_linen, mlp_jax)]
 # More idioms, checked in the slow run only (invariance and short FP16 training): Linen
-# BatchNorm with a mutable batch_stats collection, Linen's nn.RNN over an LSTM cell, NNX LoRA.
-MORE_PROGRAMS = [m.PROGRAM for m in (resnet_linen, lstm_linen, lora_nnx)]
+# BatchNorm with a mutable batch_stats collection, Linen's nn.RNN over an LSTM cell, NNX LoRA,
+# an Equinox linear recurrence computed by jax.lax.associative_scan.
+MORE_PROGRAMS = [m.PROGRAM for m in (resnet_linen, lstm_linen, lora_nnx, lru_eqx)]
 DENSE_PROGRAMS = [p for p in PROGRAMS if p.has_dense]
 INVARIANCE_TOLERANCE = 1e-4
 FP16_TOLERANCE = 0.05
