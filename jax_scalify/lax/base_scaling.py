@@ -447,18 +447,22 @@ def num_elements(shape: Sequence[int], dims: Sequence[int]) -> int:
     return int(np.prod([shape[d] for d in dims], dtype=np.int64))
 
 
-def unit_scaled_sum(scale: Array, num_terms: int, reduce: Callable[..., Array], *datas: Array) -> ScaledArray:
+def unit_scaled_sum(
+    scale: Array, num_terms: int, reduce: Callable[..., Array], *datas: Array, communicates: bool = False
+) -> ScaledArray:
     """``reduce(*datas)`` summing ``num_terms`` terms: scale ``* r``, data ``/ r``.
 
     ``1/r`` goes on the inputs for narrow-range dtypes (no overflow of the sum), on the output
     otherwise (cheaper, exact). In the backward pass, under a rescale policy whose
     ``gradients`` component is on, a sum of float16/FP8 data is accumulated in float32 and
-    rescaled from its result before it is narrowed (:func:`_rescaled_backward_sum`).
+    rescaled from its result before it is narrowed (:func:`_rescaled_backward_sum`), unless
+    it ``communicates`` (a collective: float32 would double the bytes sent).
     """
     r = sqrt_size_pow2(num_terms)
     inv_r = as_scale(1 / r)
     dtype = datas[0].dtype
-    if narrow_range(dtype) and num_terms > 1 and active_policy().gradients and in_backward_pass():
+    backward = not communicates and active_policy().gradients and in_backward_pass()
+    if narrow_range(dtype) and num_terms > 1 and backward:
         return _rescaled_backward_sum(scale, r, reduce, datas)
     if narrow_range(dtype):
         out = reduce(*[mul_data(d, inv_r) for d in datas])

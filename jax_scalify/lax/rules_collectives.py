@@ -155,7 +155,8 @@ def _scaled_sum_collective(prim: Primitive, x: Any, axes: Sequence, groups: Any,
     if plain is not None:
         return plain
     data, scale = _common_scale(x, axes, groups)
-    return unit_scaled_sum(scale, _group_size(x, axes, groups), lambda d: prim.bind(d, **params), data)
+    size = _group_size(x, axes, groups)
+    return unit_scaled_sum(scale, size, lambda d: prim.bind(d, **params), data, communicates=True)
 
 
 @register_scaled_op(psum_p)
