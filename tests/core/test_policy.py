@@ -102,7 +102,8 @@ def linear_recurrence(decays, inputs):
     )
 
 
-@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eager", "jit"])
+@pytest.mark.slow  # 10-20 s of compilation; test_only_products_of_operands_sharing_a_scale_are_rescaled runs by default
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_a_parallel_scan_of_products_stays_finite_from_the_recipe_state(jit):
     """``as_scaled_array`` gives decays in (0.9, 1) data in [1.8, 2) and scale 1/2; the scan
     squares slices of one array at each of its 8 levels, so statically the running products'
