@@ -216,19 +216,6 @@ def rescale_self_product(product: Any, a: Any, b: Any) -> Any:
     return rescale(product) if shared and active_policy().self_products else product
 
 
-def rescale_power_base(x: Any, y: int) -> Any:
-    """The base of ``x ** y`` rescaled first where the power could overflow its data: ``|y| >= 3``
-    on float16/FP8 data, with the policy's ``self_products`` on.
-
-    A power multiplies the data's departure from unit size by ``y``; the cube of float16 data
-    overflows from a departure of 2**5.3 (a parallel-scan recurrence's state reached 2**4.5,
-    its tanh GELU cubed it: inf, then NaN in the backward pass). A square needs 2**8 and is
-    left static (every LayerNorm squares).
-    """
-    narrow = isinstance(x, ScaledArray) and np.finfo(x.dtype).max < np.finfo(np.float32).max
-    return rescale(x) if narrow and abs(y) >= 3 and active_policy().self_products else x
-
-
 def rescale_loop_carries(carries: Sequence[Any]) -> list:
     """The carries of one loop iteration, rescaled if the active policy says so."""
     if not active_policy().loop_carries:
@@ -305,7 +292,6 @@ __all__ = [
     "rescale",
     "rescale_all",
     "rescale_loop_carries",
-    "rescale_power_base",
     "rescale_self_product",
     "was_rescaled",
 ]

@@ -28,13 +28,15 @@ from jax.extend.core import Primitive
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
-from ..core.policy import rescale_power_base
+from ..core.policy import active_policy
+from ..core.policy import rescale as rescale_by_policy
 from ..core.registry import register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
     ScaleMap,
     as_scale,
     exact_root,
     is_numpy,
+    narrow_range,
     on_value,
     scale_capped_at_one,
     scaled_power,
@@ -110,10 +112,14 @@ scaled_round = _on_value_rule(P.round_p, _scale_floored_at_one, _ROUNDING_DOC)
 def scaled_integer_pow(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     """Scale s**y (exact for a power of two; past the float32 range the excess goes into the data), data da**y.
 
-    A float16/FP8 base with ``|y| >= 3`` is first rescaled by the rescale policy's
-    ``self_products`` (its cube would overflow from a departure of 2**5.3 from unit size).
+    A float16/FP8 base with ``|y| >= 3`` is first rescaled under the rescale policy's
+    ``self_products``: a power multiplies the data's departure from unit size by ``y``, and a
+    cube of float16 data overflows from a departure of 2**5.3 (a parallel-scan recurrence's
+    state reached 2**4.5 and its tanh GELU cubed it). Squares, in every LayerNorm, need
+    2**8 and stay static.
     """
-    x = rescale_power_base(x, y)
+    if abs(y) >= 3 and narrow_range(x.dtype) and active_policy().self_products:
+        x = rescale_by_policy(x)
     return scaled_power(P.integer_pow_p.bind(x.data, y=y, **params), x.scale, y)
 
 
