@@ -386,8 +386,11 @@ def check_scalify_inputs(leaves: list, tree: Any = None, nested: bool = False) -
         _scale_problem(np.asarray(s)) is None for _, s in concrete if isinstance(s, (np.ndarray, np.generic))
     )
     on_device = [_local(s) for _, s in concrete if isinstance(s, jax.Array)]
-    # One fused check on the device and one boolean back, rather than a transfer per scale.
-    if numpy_ok and (not on_device or bool(_device_scales_valid(require_pow2, *on_device))):
+    # One fused check on the device and one boolean back, rather than a transfer per scale;
+    # evaluated now even where an outer jax.jit traces (a ScaledArray constant closed over).
+    with jax.ensure_compile_time_eval():
+        valid = not on_device or bool(_device_scales_valid(require_pow2, *on_device))
+    if numpy_ok and valid:
         return
     for i, scale in concrete:  # rare: find the culprit on the host for the message
         values = _host_values(scale)

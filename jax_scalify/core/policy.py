@@ -66,8 +66,10 @@ class RescalePolicy:
         loop_carries: rescale the scaled carries of ``scan`` and ``while`` bodies at every
             iteration (this includes the transposed scans of a backward pass).
         outputs: rescale the floating scaled outputs of the scalified function (the state
-            handed to the next step), together. Outputs already rescaled as gradients are
-            not rescaled twice.
+            handed to the next step), together. Outputs already rescaled are not rescaled
+            twice: as gradients, by ``jsa.ops.dynamic_rescale`` with the policy's
+            statistic (``jsa.optim.scale_state``'s stored state), or a float cast of
+            either.
         self_products: rescale the product of two operands that share one scale object
             (``x * x``; slices of one array multiplied together, as in the combine of
             ``jax.lax.associative_scan`` or ``jnp.cumprod`` written as a parallel scan), and
@@ -170,6 +172,18 @@ def is_rescalable(x: Any) -> bool:
     )
 
 
+def mark_rescaled(x: Any) -> Any:
+    """Record ``x`` as having a scale chosen from its data in the current ``scalify`` evaluation.
+
+    The policy's rescales of gradients and outputs then leave it as it is (re-estimating it
+    would move nothing). For rules whose output scale is deliberately chosen: a rescale with
+    the policy's own statistic, a cast of such a value, a bound known from the op. Returns ``x``.
+    """
+    if isinstance(x, ScaledArray):
+        _rescaled_by_policy()[id(x)] = x  # kept alive, so the id is not reused
+    return x
+
+
 def rescale(x: Any, policy: RescalePolicy | None = None) -> Any:
     """``x`` dynamically rescaled with the policy's statistic (non-rescalable values unchanged).
 
@@ -181,9 +195,7 @@ def rescale(x: Any, policy: RescalePolicy | None = None) -> Any:
     from ..ops.rescaling import rescale_scaled_array
 
     policy = policy or active_policy()
-    out = rescale_scaled_array(x, policy.norm, policy.sample_size)
-    _rescaled_by_policy()[id(out)] = out  # kept alive, so the id is not reused
-    return out
+    return mark_rescaled(rescale_scaled_array(x, policy.norm, policy.sample_size))
 
 
 def rescale_all(values: Sequence[Any], policy: RescalePolicy | None = None) -> list:
@@ -200,8 +212,7 @@ def rescale_all(values: Sequence[Any], policy: RescalePolicy | None = None) -> l
     policy = policy or active_policy()
     outs = rescale_scaled_arrays([values[i] for i in where], policy.norm, policy.sample_size)
     for i, out in zip(where, outs):
-        values[i] = out
-        _rescaled_by_policy()[id(out)] = out
+        values[i] = mark_rescaled(out)
     return values
 
 
@@ -293,5 +304,6 @@ __all__ = [
     "rescale_all",
     "rescale_loop_carries",
     "rescale_self_product",
+    "mark_rescaled",
     "was_rescaled",
 ]

@@ -30,7 +30,7 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import Pow2RoundMode, get_scalify_config
-from ..core.policy import rescale_self_product
+from ..core.policy import mark_rescaled, rescale_self_product, was_rescaled
 from ..core.pow2 import pow2_round_positive_or_one
 from ..core.registry import register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
@@ -312,12 +312,14 @@ def scaled_convert_element_type(x: ScaledArray, *, new_dtype: Any, **params) -> 
     """Float to float: data cast, scale kept; to int or bool: plain array from the float32 value.
 
     Casting the data keeps values outside the new dtype's range (e.g. 2**30 to float16)
-    right, which is the point of FP16/FP8 data with a float32 scale.
+    right, which is the point of FP16/FP8 data with a float32 scale. The cast of a value the
+    rescale policy has just rescaled counts as rescaled too.
     """
     if not isinstance(x, ScaledArray):  # int -> float reaches a rule only beside scaled inputs
         return P.convert_element_type_p.bind(x, new_dtype=new_dtype, **params)
     if is_floating_dtype(new_dtype):
-        return ScaledArray(_bind(P.convert_element_type_p, x, new_dtype=new_dtype, **params), as_scale(x.scale))
+        out = ScaledArray(_bind(P.convert_element_type_p, x, new_dtype=new_dtype, **params), as_scale(x.scale))
+        return mark_rescaled(out) if was_rescaled(x) else out  # the data's size is unchanged
     return P.convert_element_type_p.bind(to_float32_value(x), new_dtype=new_dtype, **params)
 
 

@@ -44,7 +44,7 @@ from jax.interpreters import ad, batching, mlir
 from ..core.array import ScaledArray, is_floating_dtype, is_scaled_leaf
 from ..core.config import Pow2RoundMode, ScalifyConfig, get_scalify_config
 from ..core.interpreter import scalify
-from ..core.policy import STATIC_POLICY, active_policy, is_rescalable, was_rescaled
+from ..core.policy import STATIC_POLICY, active_policy, is_rescalable, mark_rescaled, was_rescaled
 from ..core.pow2 import pow2_round, pow2_round_down
 from ..core.registry import ScaledPrimitiveType, register_scaled_op
 from ..lax.base_scaling import as_scale, mul_data
@@ -312,7 +312,8 @@ def scaled_dynamic_rescale(*xs: ScaledArray, norm: Norm, rounding_mode: Pow2Roun
     """The statistic of each data moved into its scale; the scalar arithmetic of all operands batched.
 
     An operand the rescale policy has just rescaled with the same statistic and rounding is
-    returned as it is (rescaling it again would move nothing).
+    returned as it is (rescaling it again would move nothing); with that statistic, the
+    outputs count as rescaled by the policy (its output rescale leaves them).
     """
     policy = active_policy()
     same_as_policy = norm == policy.norm and rounding_mode == get_scalify_config().rounding_mode and min_scale is None
@@ -322,7 +323,7 @@ def scaled_dynamic_rescale(*xs: ScaledArray, norm: Norm, rounding_mode: Pow2Roun
         [xs[i] for i in todo], norm, None, rounding_mode=rounding_mode, min_scale=min_scale
     )
     for i, out in zip(todo, rescaled):
-        outs[i] = out
+        outs[i] = mark_rescaled(out) if same_as_policy else out
     return outs
 
 

@@ -185,6 +185,27 @@ def test_gradients_are_rescaled_once_in_one_batch_after_the_backward_pass(monkey
     assert 0.5 <= data_rms(grads) < 2.0
 
 
+def test_outputs_rescaled_with_the_policys_statistic_and_cast_are_not_rescaled_again(monkeypatch):
+    """A state stored as ``scale_state`` stores it (rescaled with the policy's statistic, then
+    narrowed) leaves the step as it is; another statistic (``max``) is still followed by the policy's."""
+    from jax_scalify.ops import rescaling
+
+    batches = []
+    original = rescaling.rescale_scaled_arrays
+    monkeypatch.setattr(
+        rescaling,
+        "rescale_scaled_arrays",
+        lambda xs, *a, **k: batches.append([x.shape for x in xs]) or original(xs, *a, **k),
+    )
+    x = scaled(X * 2.0**-8, 8)
+    stored = jsa.scalify(lambda x: jsa.ops.dynamic_rescale(2 * x, "l2").astype(jnp.float16))(x)
+    assert batches == [[X.shape]]  # the rescale of the function; none by the policy's outputs
+    assert stored.dtype == jnp.float16 and 0.5 <= data_rms(stored) < 2.0
+    batches.clear()
+    jsa.scalify(lambda x: jsa.ops.dynamic_rescale(2 * x, "max").astype(jnp.float16))(x)
+    assert batches == [[X.shape], [X.shape]]
+
+
 def test_gradient_scales_follow_the_values_with_inputs_off_by_2_pow_8():
     ws, x = scaled(W * 2.0**-8, 8), scaled(X * 2.0**8, -8)
     _, static_grads, _ = jsa.scalify(sgd_step, policy=STATIC)(ws, x)

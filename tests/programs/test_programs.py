@@ -22,10 +22,12 @@ Equinox parallel-scan recurrence) and of the RealNVP flow.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import jax_scalify as jsa
@@ -83,11 +85,13 @@ def test_float32_invariance(program: Program, record_property):
     )
 
 
-def check_fp16(program: Program, steps: int, record_property) -> None:
-    final = {mode: final_loss(losses(program, mode, steps)) for mode in ("fp32", "fp16_scalify", "fp16_plain")}
+def check_fp16(program: Program, steps: int, record_property, summary=final_loss) -> None:
+    final = {mode: summary(losses(program, mode, steps)) for mode in ("fp32", "fp16_scalify", "fp16_plain")}
     for mode, loss in final.items():
         record_property(f"final_loss_{mode}", loss)
-    print(f"\n{program.name}, {steps} steps, final losses: " + ", ".join(f"{m} {v:.4f}" for m, v in final.items()))
+    print(
+        f"\n{program.name}, {steps} steps, {summary.__name__}: " + ", ".join(f"{m} {v:.4f}" for m, v in final.items())
+    )
     assert np.isfinite(final["fp32"]), f"{program.name}: the float32 run itself diverged"
     excess = relative_excess(final["fp16_scalify"], final["fp32"])
     assert excess <= FP16_TOLERANCE, (
@@ -96,10 +100,10 @@ def check_fp16(program: Program, steps: int, record_property) -> None:
     )
 
 
-def check_fp8(program: Program, steps: int, record_property) -> None:
-    fp32, fp8 = (final_loss(losses(program, mode, steps)) for mode in ("fp32", "fp8_scalify"))
+def check_fp8(program: Program, steps: int, record_property, summary=final_loss) -> None:
+    fp32, fp8 = (summary(losses(program, mode, steps)) for mode in ("fp32", "fp8_scalify"))
     record_property("final_loss_fp8_scalify", fp8)
-    print(f"\n{program.name}, {steps} steps, final losses: fp32 {fp32:.4f}, fp8_scalify {fp8:.4f}")
+    print(f"\n{program.name}, {steps} steps, {summary.__name__}: fp32 {fp32:.4f}, fp8_scalify {fp8:.4f}")
     excess = relative_excess(fp8, fp32)
     assert excess <= FP8_TOLERANCE, (
         f"{program.name}: scalified FP8 ends at {fp8:.4f}, {excess:.1%} above FP32's {fp32:.4f}"
@@ -127,13 +131,13 @@ def test_fp8_short(program: Program, record_property):
 @pytest.mark.slow
 @by_name(PROGRAMS)
 def test_fp16_long(program: Program, record_property):
-    check_fp16(program, program.slow_steps, record_property)
+    check_fp16(program, program.slow_steps, record_property, program.slow_summary)
 
 
 @pytest.mark.slow
 @by_name(DENSE_PROGRAMS)
 def test_fp8_long(program: Program, record_property):
-    check_fp8(program, program.slow_steps, record_property)
+    check_fp8(program, program.slow_steps, record_property, program.slow_summary)
 
 
 @pytest.mark.slow
@@ -182,3 +186,16 @@ def test_realnvp_flow_float32_from_recipe_state_equals_plain():
     got = jax.jit(jsa.scalify(program.make_train_step(tx)))(*jsa.as_scaled_array(state), *jsa.as_scaled_array(batch))
     errors = _leaf_errors(jsa.asarray(got), expected)
     assert max(errors.values()) <= INVARIANCE_TOLERANCE, {k: v for k, v in errors.items() if v > INVARIANCE_TOLERANCE}
+
+
+@pytest.mark.slow
+def test_prodigy_learns_its_rate_with_float16_weights(record_property):
+    """Prodigy starts at a rate of ``d0 = 1e-6`` and raises it from the distance between the
+    weights and their initial values. Its first updates are far below half a unit in the last
+    place of float16 weights: rounded away, the distance stayed 0, the rate at 1e-6, and the
+    MLP's loss at 2.38 after 60 steps (FP32 0.167). ``scale_state`` carries what the weights
+    round away and gives Prodigy the carried weights: it ends with FP32."""
+    program = dataclasses.replace(
+        mlp_jax.PROGRAM, name="mlp_jax_prodigy", make_optimizer=lambda: optax.contrib.prodigy(1.0)
+    )
+    check_fp16(program, 60, record_property)
