@@ -308,23 +308,43 @@ class ScaledArray:
         facts += ", slices=..." if self.slices is not None else ""
         return f"ScaledArray(data={self.data!r}, scale={self.scale!r}{facts})"
 
-    def _scalar_value(self, what: str) -> np.ndarray:
-        if self.ndim != 0 or not (_is_concrete(self.data) and _is_concrete(self.scale)):
+    def _host_value(self, what: str, scalar: bool = True) -> np.ndarray:
+        """The value on the host, in float32 (float64 for float64 data): wide enough for any scale."""
+        if (scalar and self.ndim != 0) or not (_is_concrete(self.data) and _is_concrete(self.scale)):
             kind = "traced" if not _is_concrete(self.data) else f"of shape {self.shape}"
             raise TypeError(
-                f"{what}() needs a concrete 0-d ScaledArray, got one {kind}. Convert with "
-                "x.to_array() (inside jax.jit, return it or use jax.debug.print)."
+                f"{what} needs a concrete {'0-d ' if scalar else ''}ScaledArray, got one {kind}. Convert "
+                "with x.to_array() (inside jax.jit, return it or use jax.debug.print)."
             )
         return np.asarray(self.to_array(np.float64 if self.dtype == np.float64 else np.float32))
 
     def __float__(self) -> float:
-        return float(self._scalar_value("float"))
+        return float(self._host_value("float()"))
 
     def __int__(self) -> int:
-        return int(self._scalar_value("int"))
+        return int(self._host_value("int()"))
 
     def __bool__(self) -> bool:
-        return bool(self._scalar_value("bool"))
+        return bool(self._host_value("bool()"))
+
+    def __format__(self, format_spec: str) -> str:
+        """As ``jax.Array``: a 0-d array formats as its value (``f"{loss:.4f}"``), others as NumPy does."""
+        if not format_spec:
+            return repr(self)
+        return format(self._host_value(f"format spec {format_spec!r}", scalar=self.ndim == 0)[()], format_spec)
+
+    def item(self, *args) -> float:
+        """The value of one element as a Python float, as ``jax.Array.item`` (``loss.item()``)."""
+        return self._host_value("item()", scalar=False).item(*args)
+
+    def tolist(self) -> Any:
+        """The values as nested Python lists of floats, as ``jax.Array.tolist``."""
+        return self._host_value("tolist()", scalar=False).tolist()
+
+    def block_until_ready(self) -> ScaledArray:
+        """Wait for the data and the scale to be computed, as ``jax.Array.block_until_ready``."""
+        jax.block_until_ready((self.data, self.scale))
+        return self
 
     def __jax_array__(self):
         raise TypeError(_JAX_FUNCTION_OUTSIDE_SCALIFY)

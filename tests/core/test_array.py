@@ -219,6 +219,19 @@ def test_float_of_an_array_or_a_tracer_says_what_to_do():
         jax.jit(lambda s: float(s))(jsa.as_scaled_array(jnp.float32(1.0)))
 
 
+def test_training_loop_conversions_of_a_returned_loss():
+    """What a loop does with the loss a scalified step returns: format it, ``.item()`` it, wait for it."""
+    loss = ScaledArray(jnp.float16(1.5), jnp.float32(2.0**20))  # beyond float16's range: the value is exact
+    assert f"{loss:.1f}" == "1572864.0" and loss.item() == 2.0**20 * 1.5 and loss.tolist() == 2.0**20 * 1.5
+    assert loss.block_until_ready() is loss and f"{loss}" == repr(loss)
+    values = jsa.scaled_array(np.array([0.5, 3.0], np.float16), 4.0)
+    assert values.item(1) == 12.0 and values.tolist() == [2.0, 12.0]
+    with pytest.raises(TypeError, match="unsupported format string"):
+        f"{values:.2f}"  # as for a NumPy or JAX array of shape (2,)
+    with pytest.raises(TypeError, match="item.. needs a concrete ScaledArray, got one traced"):
+        jax.jit(lambda s: s.item())(loss)
+
+
 # --- transformations applied outside scalify -------------------------------------------------
 def test_grad_and_vmap_outside_scalify_say_to_move_them_inside():
     x = jsa.as_scaled_array(jnp.array([1.0, 2.0]))
