@@ -26,7 +26,15 @@ from ..core.array import ScaledArray, unscaled
 from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.policy import active_policy, in_backward_pass
 from ..core.policy import rescale as rescale_by_policy
-from ..core.pow2 import is_numpy, numpy_api, pow2_exponent, pow2_round, pow2_round_down, pow2_round_up
+from ..core.pow2 import (
+    is_numpy,
+    numpy_api,
+    pow2_exponent,
+    pow2_round,
+    pow2_round_down,
+    pow2_round_up,
+    scales_are_pow2,
+)
 from ..core.promotion import any_scale_array, is_any_scale
 
 Array = Any
@@ -254,7 +262,23 @@ def rescale(x: ScaledArray, new_scale: Array) -> ScaledArray:
     scale = as_scale(x.scale)
     if scale is new_scale or (is_numpy(scale) and is_numpy(new_scale) and np.array_equal(scale, new_scale)):
         return ScaledArray(x.data, new_scale)
-    return ScaledArray(mul_data(x.data, scale / new_scale), new_scale)
+    return ScaledArray(mul_data(x.data, scale_quotient(scale, new_scale)), new_scale)
+
+
+def scale_quotient(scale: Array, common: Array) -> Array:
+    """``scale / common`` for a scale moving to a ``common`` one that several operands share.
+
+    XLA compiles a scalar division as a kernel of its own (it does not copy divisions into
+    the kernels that use them). With power-of-two scales the quotient is computed as
+    ``scale * (2 / common) * 0.5``, exactly: the division ``2 / common`` is then the same for
+    every operand moving to ``common``, and XLA compiles it once. (``2 / common`` is a normal
+    float32 for every normal ``common``; ``1 / 2**127`` would be subnormal, which XLA:CPU
+    flushes to zero.)
+    """
+    if is_numpy(scale) and is_numpy(common) or not scales_are_pow2():
+        return scale / common
+    two = np.asarray(2, common.dtype)
+    return scale * (two / common) * np.asarray(0.5, common.dtype)
 
 
 def zero_to_one(scale: Array) -> Array:
