@@ -275,7 +275,7 @@ def scale_quotient(scale: Array, common: Array) -> Array:
     float32 for every normal ``common``; ``1 / 2**127`` would be subnormal, which XLA:CPU
     flushes to zero.)
     """
-    if is_numpy(scale) and is_numpy(common) or not scales_are_pow2():
+    if (is_numpy(scale) and is_numpy(common)) or not scales_are_pow2():
         return scale / common
     two = np.asarray(2, common.dtype)
     return scale * (two / common) * np.asarray(0.5, common.dtype)
