@@ -6,7 +6,10 @@ returns nothing for it. ``scalify`` traces a functional form instead, as ``nnx.j
 the objects are split (``nnx.split``) into a static graph definition and a state of arrays,
 the function runs on objects merged (``nnx.merge``) from the traced state, their state
 after the call is an extra output, and it is written back into the objects given
-(``nnx.update``). Scaled states (``ScaledArray`` variable values) flow through unchanged.
+(``nnx.update``). Scaled states (``ScaledArray`` variable values) flow through unchanged; a
+variable given as a plain array is written back as a plain array, its value in its dtype
+(state the user did not scale, such as the running totals of ``nnx.MultiMetric``, is read
+outside ``scalify``: ``metrics.compute()``).
 
 Only the public Flax API is used, and this module is imported only when ``flax.nnx`` is.
 """
@@ -20,7 +23,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from ..core.array import is_scaled_leaf
+from ..core.array import ScaledArray, is_scaled_leaf
 
 
 def is_graph_node(x: Any) -> bool:
@@ -95,8 +98,27 @@ class GraphCall:
 
         An object the function returned is the object given (updated), as without scalify.
         """
-        nnx.update(self.nodes, new_state)
+        nnx.update(self.nodes, _as_given(self.functional_args[2], new_state))
         return _map_nodes(lambda x: self.nodes[x.index] if isinstance(x, _ReturnedNode) else x, out)
+
+
+def _as_given(given_state: Any, new_state: Any) -> Any:
+    """``new_state`` with each variable given as a plain array back to a plain array of its dtype.
+
+    Inside the call a plain variable that meets scaled values becomes a ``ScaledArray``
+    (``metrics.update(loss=loss)`` with a scaled loss); written back as such, it would fail
+    the first time it is used outside ``scalify``. The two states have the same structure:
+    the graph definition is checked unchanged before.
+    """
+    given = jax.tree.leaves(given_state, is_leaf=is_scaled_leaf)
+    new, treedef = jax.tree.flatten(new_state, is_leaf=is_scaled_leaf)
+
+    def as_given(old, value):
+        if isinstance(value, ScaledArray) and not isinstance(old, ScaledArray) and hasattr(old, "dtype"):
+            return value.to_array(old.dtype)
+        return value
+
+    return jax.tree.unflatten(treedef, [as_given(old, value) for old, value in zip(given, new, strict=True)])
 
 
 def _returned_node(nodes: tuple, x: Any) -> Any:

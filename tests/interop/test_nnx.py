@@ -219,3 +219,36 @@ def test_scalify_outside_nnx_jit():
     np.testing.assert_allclose(loss.to_array(), ref_step(ref_model, ref_optimizer, X, Y), rtol=1e-5)
     assert int(optimizer.step[...]) == 1
     assert_same_state(model, ref_model, rtol=1e-5, atol=1e-6)
+
+
+def metrics_train_step(model, optimizer, metrics, x, y):
+    """The NNX tutorials' step: the loss goes into an ``nnx.MultiMetric``, nothing is returned."""
+
+    def loss_fn(model):
+        return jnp.mean(jnp.square(model(x) - y))
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    metrics.update(loss=loss)
+    optimizer.update(model, grads)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_unscaled_metrics_stay_plain_arrays_readable_outside_scalify(dtype):
+    """Regression: the metric's running total came back a ScaledArray and ``metrics.compute()``
+    raised (arithmetic outside scalify). Variables given plain are written back plain."""
+    model, optimizer = make_model()
+    ref_model, ref_optimizer = make_model()
+    scale_states(model, optimizer, dtype)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+    ref_metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+    step, ref_step = nnx.jit(jsa.scalify(metrics_train_step)), nnx.jit(metrics_train_step)
+    x = jsa.tree.astype(jsa.as_scaled_array(X), dtype)
+    for _ in range(5):
+        step(model, optimizer, metrics, x, Y)
+        ref_step(ref_model, ref_optimizer, ref_metrics, X, Y)
+    total = metrics.loss.total.get_value()
+    assert isinstance(total, jax.Array) and total.dtype == ref_metrics.loss.total.get_value().dtype
+    rtol = 1e-6 if dtype == jnp.float32 else 2e-3
+    np.testing.assert_allclose(metrics.compute()["loss"], ref_metrics.compute()["loss"], rtol=rtol)
+    assert int(metrics.loss.count.get_value()) == 5
+    assert isinstance(model.dense1.kernel.get_value(), jsa.ScaledArray)  # scaled state stays scaled
