@@ -14,6 +14,12 @@ reports the compile CPU time per kernel when ``k`` is
 These costs, measured on the machine at hand, explain where the compile-time overhead of a
 scalified step goes (``docs/benchmarks.md``): a scale rule that divides costs a kernel; one
 that does not costs its chain of operations again in every kernel that uses the scale.
+
+Two more tables: what ``n`` kernels cost when they are identical (same shapes, same
+constants, only their operands differ: XLA:CPU compiles one and reuses it) against the
+same kernels on ``n`` different shapes; and what the rescale policy's ``outputs`` rescale
+costs per returned tensor (``p - 0.01 * g`` on ``n`` tensors of different shapes, scalified
+with the static policy and with ``outputs`` alone).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import statistics
 
 import jax
 import jax.numpy as jnp
+
+import jax_scalify as jsa
 
 from .common import compile_times
 
@@ -43,6 +51,18 @@ def _program(n: int, kind: str, chain: int):
         return outs
 
     return fn
+
+
+def _scaled_kernels(xs, ks):
+    return [x * k + 1.0 for x, k in zip(xs, ks)]
+
+
+def _sgd_update(params, grads):
+    return [p - 0.01 * g for p, g in zip(params, grads)]
+
+
+def _distinct_shapes(n: int) -> list:
+    return [jnp.ones((256 + i, 1024), jnp.float32) for i in range(n)]
 
 
 def compile_cpu_seconds(fn, *args, rounds: int) -> float:
@@ -74,6 +94,25 @@ def main(argv=None):
         else:
             extra = f"   ({per_kernel - per_param:.2f} ms for the divide's own kernel)"
         print(f"{label:<12}{seconds:>15.3f}{per_kernel:>15.2f}{extra}")
+
+    ks = [jnp.float32(1.0)] * n
+    print(f"\n{n} kernels x * k + 1 (k a scalar input)")
+    print(f"{'shapes':<20}{'compile cpu s':>15}{'ms per kernel':>15}")
+    for label, xs in [("one shape", [x] * n), ("n different shapes", _distinct_shapes(n))]:
+        seconds = compile_cpu_seconds(_scaled_kernels, xs, ks, rounds=args.rounds)
+        print(f"{label:<20}{seconds:>15.3f}{1e3 * (seconds - base) / n:>15.2f}")
+
+    params = jsa.as_scaled_array(_distinct_shapes(n))
+    grads = jsa.as_scaled_array(_distinct_shapes(n))
+    outputs_only = jsa.RescalePolicy(gradients=False, loop_carries=False, self_products=False)
+    print(f"\np - 0.01 * g on {n} tensors of different shapes, scalified")
+    print(f"{'policy':<20}{'compile cpu s':>15}{'ms per tensor':>15}")
+    static = None
+    for label, policy in [("static", jsa.RescalePolicy.static()), ("outputs only", outputs_only)]:
+        seconds = compile_cpu_seconds(jsa.scalify(_sgd_update, policy=policy), params, grads, rounds=args.rounds)
+        extra = "" if static is None else f"   ({1e3 * (seconds - static) / n:.2f} ms per rescaled tensor)"
+        static = seconds if static is None else static
+        print(f"{label:<20}{seconds:>15.3f}{1e3 * (seconds - base) / n:>15.2f}{extra}")
 
 
 if __name__ == "__main__":

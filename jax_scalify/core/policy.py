@@ -79,11 +79,12 @@ class RescalePolicy:
             default), ``"l1"`` (mean absolute value) or ``"max"`` (maximum absolute value).
             It is rounded to a power of two with the configured rounding mode.
         sample_size: the statistic is computed on a strided sample of at most about this
-            many elements of each tensor (every axis sampled with a regular stride);
-            ``None`` reads the whole tensor. A power of two only needs the order of
-            magnitude, and reading every gradient and every state tensor once more would
-            cost several passes over the model per step; the sample costs next to nothing.
-            A sample that is all zeros (e.g. a sparse gradient) leaves the scale unchanged.
+            many elements of each tensor, and at most 32 along any axis (every axis sampled
+            with a regular stride); ``None`` reads the whole tensor. A power of two only
+            needs the order of magnitude, and reading every gradient and every state tensor
+            once more would cost several passes over the model per step; the sample costs
+            next to nothing, and its statistic compiles into one small kernel. A sample that
+            is all zeros (e.g. a sparse gradient) leaves the scale unchanged.
 
     ``RescalePolicy()`` (all on, RMS) is the default of ``jsa.scalify``;
     :meth:`RescalePolicy.static` is the paper's pure static propagation (no automatic
@@ -95,7 +96,7 @@ class RescalePolicy:
     outputs: bool = True
     self_products: bool = True
     norm: str = "l2"
-    sample_size: int | None = 4096
+    sample_size: int | None = 1024
 
     def __post_init__(self):
         for field in ("gradients", "loop_carries", "outputs", "self_products"):

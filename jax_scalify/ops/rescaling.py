@@ -142,20 +142,29 @@ def rescale_factor(stat: Array, scale: Array, mode: Pow2RoundMode | None, min_sc
     return jnp.where(has_scale, factor, jnp.ones_like(factor)).astype(scale_dtype)
 
 
+SAMPLE_AXIS_LIMIT = 32
+
+
 def strided_sample(data: Array, max_size: int | None) -> Array:
-    """At most about ``max_size`` elements of ``data``: a regular grid of strided slices (``None``: all).
+    """At most about ``max_size`` elements of ``data``, and at most 32 along any axis: a strided grid (``None``: all).
 
     Each axis is sampled with its own stride (the largest axes first), so no reshape is
-    needed and a sharded array stays sharded the same way. The sample is a view XLA fuses
-    into the reduction that consumes it: a statistic of the sample reads only the sampled
-    elements, not the whole tensor.
+    needed and a sharded array stays sharded the same way. XLA fuses the slice, and the
+    elementwise computation that produced ``data``, into the reduction that consumes the
+    sample: a statistic of the sample reads only the sampled elements. At most 32 entries
+    per axis keep that reduction one loop on XLA:CPU, which compiles a reduction with a
+    longer axis as a tree of kernels that materialise what they read (the tensor itself,
+    when it has other consumers): a rescaled tensor then costs one kernel instead of four
+    or five (``benchmarks/xla_cpu_costs.py``).
     """
-    if max_size is None or data.size <= max_size:
+    if max_size is None:
         return data
-    counts = list(data.shape)
+    counts = [min(dim, SAMPLE_AXIS_LIMIT) for dim in data.shape]
     while int(np.prod(counts)) > max_size:
         axis = int(np.argmax(counts))
         counts[axis] = -(-counts[axis] // 2)
+    if tuple(counts) == data.shape:
+        return data
     strides = tuple(-(-dim // count) if count else 1 for dim, count in zip(data.shape, counts))
     return jax.lax.slice(data, (0,) * data.ndim, data.shape, strides)
 
@@ -168,9 +177,11 @@ def rescale_scaled_array(x: ScaledArray, norm: Norm = "l2", sample_size: int | N
     rounding and guards, without a ``jit`` equation around it. With ``sample_size`` the
     statistic is that of a strided sample of at most about that many elements
     (:func:`strided_sample`): enough to choose a power of two, at a fraction of the cost of
-    reading the whole tensor. A power-of-two scale stays one (so is the factor, unless
-    rounding is ``NONE``).
+    reading the whole tensor, computed as in a batch (:func:`rescale_scaled_arrays`). A
+    power-of-two scale stays one (so is the factor, unless rounding is ``NONE``).
     """
+    if sample_size is not None:
+        return rescale_scaled_arrays([x], norm, sample_size)[0]
     config = get_scalify_config()
     data = strided_sample(jax.lax.stop_gradient(x.data), sample_size)
     stat = norm_function(norm)(data.astype(statistic_dtype(data.dtype)))
@@ -178,45 +189,53 @@ def rescale_scaled_array(x: ScaledArray, norm: Norm = "l2", sample_size: int | N
     return scaled_rebalance(x, rescale_factor(stat, jnp.asarray(scale), config.rounding_mode, None))
 
 
-def _one_pass_statistic(data: Array, norm: str) -> Array:
-    """The statistic ``norm`` of float32 ``data`` in one pass over it: no reduction depends on another.
+_TERM_FLOOR = {"l2": 2.0**-120, "l1": 2.0**-120}
+_TERM_CEILING = {"l2": 2.0**100, "l1": 2.0**110}
 
-    The L2 and L1 statistics sum the data at three fixed power-of-two scalings (exact
-    multiplications) and keep the sum that neither overflowed nor lost the values to
-    underflow: enough range for every float32 value, in independent reductions that XLA
-    fuses into one pass, and, on sharded data, into one all-reduce (instead of a maximum
-    followed by a normalised sum: two dependent all-reduces).
+
+def _one_pass_statistic(data: Array, norm: str) -> Array:
+    """The statistic ``norm`` of float32 ``data`` as one reduction, with no overflow or underflow.
+
+    Each term of the L2 (L1) sum, the square (the magnitude) of an entry, is clamped to
+    ``[2**-120, 2**100]`` (``[2**-120, 2**110]``) unless the entry is zero or not finite
+    (then the statistic is not finite either, and the scale is kept): the sum of up to
+    2**20 terms stays finite and none is flushed. The statistic is exact when every sampled
+    entry is within ``[2**-60, 2**50]`` in magnitude (float16 and FP8 data always are);
+    beyond, it is a bound that moves the data towards that range without overshooting unit
+    size (a later rescale finishes). One reduction with nothing after it but scalar work is
+    one kernel, fused with the sampling and the producer of ``data``, and on sharded data
+    one all-reduce (a maximum followed by a normalised sum would be two dependent ones).
     """
     magnitudes = jnp.abs(data)
     if norm == "max":
         return jnp.max(magnitudes)
-    n = np.float32(data.size)
-    power = 2 if norm == "l2" else 1
-    down, up = np.float32(2.0**-60), np.float32(2.0**60)
-    scalings = np.array([1.0, 2.0**-60, 2.0**60], np.float32).reshape((3,) + (1,) * data.ndim)
-    sums = jnp.sum(jnp.power(magnitudes[None] * scalings, power), axis=tuple(range(1, data.ndim + 1))) / n
-    middle, large, small = jnp.sqrt(sums) if norm == "l2" else sums
-    return jnp.where(~jnp.isfinite(middle), large * up, jnp.where(middle < np.float32(2.0**-40), small * down, middle))
+    terms = jnp.square(magnitudes) if norm == "l2" else magnitudes
+    floor = jnp.where(magnitudes > 0, np.float32(_TERM_FLOOR[norm]), np.float32(0))
+    clamped = jnp.minimum(jnp.maximum(terms, floor), np.float32(_TERM_CEILING[norm]))
+    terms = jnp.where(jnp.isfinite(magnitudes), clamped, magnitudes)  # inf and nan data keep their scale
+    mean = jnp.sum(terms) * np.float32(1 / max(data.size, 1))
+    return jnp.sqrt(mean) if norm == "l2" else mean
 
 
-def _batch_statistics(samples: list[Array], norm: Norm, work, one_pass: bool) -> Array:
-    """The statistic of each sample, as one vector.
+def _batch_statistics(samples: list[Array], norm: Norm, work, one_pass: bool) -> list[Array]:
+    """The statistic of each sample.
 
     With ``one_pass`` (samples of the policy's statistics, float32) each is
-    :func:`_one_pass_statistic`: independent reductions that XLA combines, one all-reduce
-    per batch on sharded data (stacking the samples into one matrix would all-gather
-    each sharded one). Otherwise each is the exact statistic of :func:`dynamic_rescale`.
+    :func:`_one_pass_statistic`: one reduction per sample, which XLA fuses with the sampling,
+    and whose all-reduces on sharded data it combines (:func:`_joined`); stacking the samples
+    into one matrix would all-gather each sharded one. Otherwise each is the exact
+    statistic of :func:`dynamic_rescale`.
     """
     if one_pass and not callable(norm) and np.dtype(work) == np.float32:
-        return jnp.stack([_one_pass_statistic(d.astype(work), norm) for d in samples])
+        return [_one_pass_statistic(d.astype(work), norm) for d in samples]
     norm_fn = norm_function(norm)
-    return jnp.stack([norm_fn(d.astype(work)) for d in samples])
+    return [norm_fn(d.astype(work)) for d in samples]
 
 
 def rescale_scaled_arrays(
     xs: list[ScaledArray],
     norm: Norm = "l2",
-    sample_size: int | None = 4096,
+    sample_size: int | None = 1024,
     *,
     rounding_mode: Pow2RoundMode | None = None,
     min_scale: float | None = None,
@@ -232,7 +251,7 @@ def rescale_scaled_arrays(
         return []
     config = get_scalify_config()
     mode = config.rounding_mode if rounding_mode is None else rounding_mode
-    if len(xs) < 2 and min_scale is None and rounding_mode is None and not callable(norm):
+    if len(xs) < 2 and sample_size is None and min_scale is None and rounding_mode is None and not callable(norm):
         return [rescale_scaled_array(x, norm, sample_size) for x in xs]
     samples = [strided_sample(jax.lax.stop_gradient(x.data), sample_size) for x in xs]
     work = np.float64 if any(np.dtype(d.dtype) == np.float64 for d in samples) else np.float32
@@ -249,19 +268,23 @@ def rescale_scaled_arrays(
     return outs
 
 
-def _joined(stats: Array) -> list[Array]:
-    """Each statistic of a batch as a scalar of its own that still depends on all of them.
+def _joined(stats: list[Array]) -> list[Array]:
+    """The statistics of a batch, each still a scalar of its own, waiting for all of them where that matters.
 
-    The factor arithmetic is done per tensor on scalars: XLA copies a short scalar chain into
-    the kernels that use it, while a chain on the batch's vector is copied whole into each of
-    them (the GPT step of ``benchmarks/overhead.py``: 10-18% less compile time). But XLA
-    simplifies a slice of the stacked statistics to the statistic itself, and on sharded
-    data each statistic's all-reduce then runs on its own schedule instead of being combined
-    with the batch's; adding ``0 * (number of NaN statistics)``, exactly zero, keeps each
-    factor waiting for the whole batch.
+    Each factor is computed on its tensor's scalars, which XLA fuses into the kernel of the
+    statistic and into the kernels applying the factor. On sharded data, though, each
+    statistic's all-reduce would then run on its own schedule instead of being combined
+    with the batch's (the FSDP step of ``tests/lax/test_sharding.py``: 8 and 12 all-reduces
+    for 2 and 4 layers instead of 5 and 4); with more than one device, adding
+    ``0 * (number of NaN statistics)``, exactly zero, keeps each factor waiting for the
+    whole batch. On one device there is nothing to combine, and the join would keep each
+    statistic's scalar work out of its kernel (7 ms of compile time per rescaled tensor).
     """
-    join = np.asarray(0, stats.dtype) * jnp.sum(jnp.isnan(stats)).astype(stats.dtype)
-    return [stats[i] + join for i in range(stats.shape[0])]
+    if len(stats) < 2 or jax.device_count() < 2:
+        return stats
+    stacked = jnp.stack(stats)
+    join = np.asarray(0, stacked.dtype) * jnp.sum(jnp.isnan(stacked)).astype(stacked.dtype)
+    return [stat + join for stat in stats]
 
 
 _F32_EXPONENT_MASK = 0x7F800000

@@ -117,8 +117,12 @@ def test_traced_scalars_are_split_at_run_time(lr, expected_scale):
 
 
 def _first_optax_step(opt):
-    """A weight of RMS ~2**-6 and the same weight after one scalified ``opt`` step on itself."""
-    w = jsa.as_scaled_array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32) * 2**-6)
+    """A weight of RMS ~0.75 * 2**-6 and the same weight after one scalified ``opt`` step on itself.
+
+    The RMS is away from a power of two, so the default policy's sampled statistic of the
+    returned weight rounds to the same power of two as the whole weight's.
+    """
+    w = jsa.as_scaled_array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32) * 0.75 * 2**-6)
 
     @jax.jit
     @jsa.scalify

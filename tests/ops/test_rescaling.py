@@ -5,6 +5,7 @@ import pytest
 
 import jax_scalify as jsa
 from jax_scalify import ops
+from jax_scalify.ops.rescaling import rescale_scaled_arrays, strided_sample
 from tests.invariance import STATIC_POLICY, assert_pow2_scales
 
 RESCALES = {"l1": ops.dynamic_rescale_l1, "l2": ops.dynamic_rescale_l2, "max": ops.dynamic_rescale_max}
@@ -211,3 +212,42 @@ def test_grad_variant_pytree_with_integer_leaves():
     g = jax.grad(loss, allow_int=True)(tree)
     np.testing.assert_array_equal(g["x"], jnp.ones_like(tree["x"]))
     assert g["i"].dtype == jax.dtypes.float0
+
+
+# --- the rescale policy's sampled statistics -----------------------------------------------------
+@pytest.mark.parametrize("shape", [(20,), (1000,), (784, 1024), (7, 5000), (4, 256, 768), (3, 3, 64, 128)])
+def test_policy_sample_is_a_strided_grid_of_at_most_32_per_axis(shape):
+    data = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    sample = np.asarray(strided_sample(jnp.asarray(data), 1024))
+    assert all(n <= 32 for n in sample.shape) and sample.size <= 1024
+    strides = tuple(-(-dim // n) for dim, n in zip(shape, sample.shape))
+    np.testing.assert_array_equal(sample, data[tuple(slice(None, None, s) for s in strides)])
+    assert strided_sample(jnp.asarray(data), None).shape == shape
+
+
+@pytest.mark.parametrize("exponent", [-100, -70, -40, 0, 40, 60, 100])
+def test_policy_statistic_moves_any_float32_data_to_unit_size_without_overshooting(exponent):
+    """Exact in one rescale for data within 2**-60 .. 2**50 (clamped terms), a bound beyond."""
+    values = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32) * np.float32(2.0**exponent)
+    x = jsa.ScaledArray(jnp.asarray(values), jnp.float32(1.0))
+    rms = [STATS["l2"](values.astype(np.float64))]
+    for _ in range(3):
+        x = rescale_scaled_arrays([x], "l2", 1024)[0]
+        rms.append(STATS["l2"](np.asarray(x.data, np.float64)))
+        np.testing.assert_array_equal(np.asarray(x.data, np.float64) * float(x.scale), values)  # exact: powers of two
+    if -60 <= exponent <= 50:
+        assert 0.5 <= rms[1] < 2.0, rms
+    for before, after in zip(rms, rms[1:]):
+        assert abs(np.log2(after)) <= abs(np.log2(before)) + 1, rms  # towards unit size
+        assert (after >= 0.5) if before >= 1 else (after < 2.0), rms  # never past it
+    assert 0.5 <= rms[-1] < 2.0, rms
+
+
+def test_policy_statistic_of_non_finite_or_zero_data_keeps_the_scale():
+    xs = [
+        jsa.ScaledArray(jnp.asarray([1.0, np.inf, 2.0], jnp.float32), jnp.float32(4.0)),
+        jsa.ScaledArray(jnp.asarray([1.0, np.nan, 2.0], jnp.float32), jnp.float32(4.0)),
+        jsa.ScaledArray(jnp.zeros(3, jnp.float32), jnp.float32(4.0)),
+    ]
+    for out in rescale_scaled_arrays(xs, "l2", 1024):
+        assert float(out.scale) == 4.0
