@@ -251,3 +251,12 @@ def test_policy_statistic_of_non_finite_or_zero_data_keeps_the_scale():
     ]
     for out in rescale_scaled_arrays(xs, "l2", 1024):
         assert float(out.scale) == 4.0
+
+
+@pytest.mark.parametrize("norm", ["l1", "l2"])
+@pytest.mark.parametrize("exponent", [-125, 120])
+def test_policy_statistic_of_the_extremes_of_float32_is_finite_and_moves_the_data(norm, exponent):
+    x = jsa.ScaledArray(jnp.full((64, 64), 2.0**exponent, jnp.float32), jnp.float32(1.0))
+    out = rescale_scaled_arrays([x], norm, 1024)[0]
+    assert np.isfinite(float(out.scale)) and float(out.scale) != 1.0
+    np.testing.assert_array_equal(np.asarray(out.data, np.float64) * float(out.scale), np.asarray(x.data))
