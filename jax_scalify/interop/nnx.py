@@ -7,8 +7,7 @@ the objects are split (``nnx.split``) into a static graph definition and a state
 the function runs on objects merged (``nnx.merge``) from the traced state, their state
 after the call is an extra output, and it is written back into the objects given
 (``nnx.update``). Scaled states (``ScaledArray`` variable values) flow through unchanged; a
-variable given as a plain array is written back as a plain array, its value in its dtype
-(state the user did not scale, such as the running totals of ``nnx.MultiMetric``, is read
+variable given as a plain array is written back as a plain array, its value (state the user did not scale, such as the running totals of ``nnx.MultiMetric``, is read
 outside ``scalify``: ``metrics.compute()``).
 
 Only the public Flax API is used, and this module is imported only when ``flax.nnx`` is.
@@ -67,6 +66,7 @@ class GraphCall:
         self.nodes = tuple(leaves[i] for i in node_positions)
         graphdef, state = nnx.split(self.nodes)
         others = [None if i in node_positions else x for i, x in enumerate(leaves)]
+        self.given_state = state
         self.functional_args = (_Layout(treedef, node_positions, graphdef), others, state)
 
     @classmethod
@@ -98,25 +98,24 @@ class GraphCall:
 
         An object the function returned is the object given (updated), as without scalify.
         """
-        nnx.update(self.nodes, _as_given(self.functional_args[2], new_state))
+        nnx.update(self.nodes, _as_given(self.given_state, new_state))
         return _map_nodes(lambda x: self.nodes[x.index] if isinstance(x, _ReturnedNode) else x, out)
 
 
 def _as_given(given_state: Any, new_state: Any) -> Any:
-    """``new_state`` with each variable given as a plain array back to a plain array of its dtype.
+    """``new_state`` with each variable given as a plain array back to a plain array (its value).
 
     Inside the call a plain variable that meets scaled values becomes a ``ScaledArray``
     (``metrics.update(loss=loss)`` with a scaled loss); written back as such, it would fail
-    the first time it is used outside ``scalify``. The two states have the same structure:
-    the graph definition is checked unchanged before.
+    the first time it is used outside ``scalify``. Its value keeps the dtype the traced
+    program gives it, as plain JAX would. The two states have the same structure: the graph
+    definition is checked unchanged before.
     """
     given = jax.tree.leaves(given_state, is_leaf=is_scaled_leaf)
     new, treedef = jax.tree.flatten(new_state, is_leaf=is_scaled_leaf)
 
     def as_given(old, value):
-        if isinstance(value, ScaledArray) and not isinstance(old, ScaledArray) and hasattr(old, "dtype"):
-            return value.to_array(old.dtype)
-        return value
+        return value.to_array() if isinstance(value, ScaledArray) and not isinstance(old, ScaledArray) else value
 
     return jax.tree.unflatten(treedef, [as_given(old, value) for old, value in zip(given, new, strict=True)])
 

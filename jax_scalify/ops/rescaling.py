@@ -182,11 +182,15 @@ def rescale_scaled_array(x: ScaledArray, norm: Norm = "l2", sample_size: int | N
     """
     if sample_size is not None:
         return rescale_scaled_arrays([x], norm, sample_size)[0]
-    config = get_scalify_config()
-    data = strided_sample(jax.lax.stop_gradient(x.data), sample_size)
+    return _rescale_whole(x, norm)
+
+
+def _rescale_whole(x: ScaledArray, norm: Norm) -> ScaledArray:
+    """``x`` rescaled by the exact statistic of all its data, with the configured rounding."""
+    data = jax.lax.stop_gradient(x.data)
     stat = norm_function(norm)(data.astype(statistic_dtype(data.dtype)))
     scale = as_scale(x.scale)
-    return scaled_rebalance(x, rescale_factor(stat, jnp.asarray(scale), config.rounding_mode, None))
+    return scaled_rebalance(x, rescale_factor(stat, jnp.asarray(scale), get_scalify_config().rounding_mode, None))
 
 
 _TERM_FLOOR, _TERM_CEILING = 2.0**-120, 2.0**100
@@ -252,7 +256,7 @@ def rescale_scaled_arrays(
     config = get_scalify_config()
     mode = config.rounding_mode if rounding_mode is None else rounding_mode
     if len(xs) < 2 and sample_size is None and min_scale is None and rounding_mode is None and not callable(norm):
-        return [rescale_scaled_array(x, norm, sample_size) for x in xs]
+        return [_rescale_whole(xs[0], norm)]
     samples = [strided_sample(jax.lax.stop_gradient(x.data), sample_size) for x in xs]
     work = np.float64 if any(np.dtype(d.dtype) == np.float64 for d in samples) else np.float32
     stats = _joined(_batch_statistics(samples, norm, work, one_pass=sample_size is not None))
