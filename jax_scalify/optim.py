@@ -301,10 +301,26 @@ class CompensatedState(NamedTuple):
         inner: the wrapped transformation's state, stored scaled.
         residual: per parameter, the part of the updates that the parameter's dtype could
             not take yet (``params + updates`` rounds it away); added to the next update.
+
+    Other attributes are read from ``inner``, so code written for the wrapped state keeps
+    working: ``opt_state.hyperparams["learning_rate"]`` of ``optax.inject_hyperparams``,
+    ``opt_state.inner_state`` of ``optax.MultiSteps``.
     """
 
     inner: PyTree
     residual: PyTree
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        try:
+            return getattr(self.inner, name)
+        except AttributeError:
+            raise AttributeError(
+                f"'CompensatedState' object has no attribute {name!r}, nor has the state it wraps "
+                f"({type(self.inner).__name__}): jsa.optim.scale_state's state holds the wrapped "
+                "transformation's state in .inner and the carried update remainders in .residual."
+            ) from None
 
 
 def _is_narrow_param(p: Any) -> bool:

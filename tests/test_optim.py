@@ -312,6 +312,22 @@ def test_inject_hyperparams_scalars_stay_plain_float32():
     assert isinstance(state.inner_state[0].mu["w"], jsa.ScaledArray)
 
 
+def test_the_wrapped_state_attributes_read_through_and_a_changed_learning_rate_applies():
+    """``opt_state.hyperparams[...] = ...`` (``optax.inject_hyperparams``'s idiom) works on the wrapper."""
+    tx = scale_state(optax.inject_hyperparams(optax.sgd)(learning_rate=1e-1), jnp.float16)
+    params = jsa.tree.astype(jsa.as_scaled_array({"w": jnp.ones((2, 2))}), jnp.float16)
+    state = tx.init(params)
+    assert state.hyperparams is state.inner.hyperparams
+    state.hyperparams["learning_rate"] = jnp.asarray(1e-2)
+    grads = jsa.tree.astype(jsa.as_scaled_array({"w": jnp.ones((2, 2))}), jnp.float16)
+    updates, state = jax.jit(jsa.scalify(lambda g, s, p: tx.update(g, s, p)))(grads, state, params)
+    # the update float16 weights take (within half an ulp of 1); the rest is carried
+    np.testing.assert_allclose(np.asarray(jsa.asarray(updates)["w"], np.float32), -1e-2, rtol=0, atol=2.5e-4)
+    assert float(optax.tree_utils.tree_get(state, "learning_rate")) == pytest.approx(1e-2)
+    with pytest.raises(AttributeError, match=r"\.inner"):
+        state.no_such_field  # noqa: B018
+
+
 def test_update_outside_scalify_with_plain_gradients_returns_plain_updates():
     """Narrow state in an unscaled float32 loop: plain updates, FP16 scaled moments."""
     inner = optax.adam(1e-3)

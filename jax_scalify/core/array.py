@@ -381,8 +381,10 @@ def check_scalify_inputs(leaves: list, tree: Any = None, nested: bool = False) -
         if not _is_array_like(x.data) or not is_floating_dtype(x.data.dtype):
             raise TypeError(
                 f"jsa.scalify: the ScaledArray at {_leaf_name(tree, i)} has data of type "
-                f"{getattr(x.data, 'dtype', type(x.data).__name__)}; it must be a floating array. Cast "
-                "ScaledArrays with x.astype(dtype) or jsa.tree.astype, not with jax.tree.map."
+                f"{getattr(x.data, 'dtype', type(x.data).__name__)}; it must be a floating array. "
+                "jax.tree.map maps a ScaledArray's data and scale separately: to build a tree of one "
+                "value per array (an Equinox filter spec, a mask), map with is_leaf=jsa.is_scaled_leaf "
+                "or build it from the unscaled tree; to cast, use x.astype(dtype) or jsa.tree.astype."
             )
         if not _is_array_like(x.scale) or not is_floating_dtype(x.scale.dtype):
             raise TypeError(

@@ -355,27 +355,38 @@ def _eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> lis
             env[v] = val
         pending.clear()
 
-    for eqn in jaxpr.eqns:
-        uses_gradient = pending and any(isinstance(v, Var) and v in gradients for v in eqn.invars)
-        if uses_gradient and not rescale_policy.is_backward_equation(eqn):
-            rescale_pending()
-        invals = [read(v) for v in eqn.invars]
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with (
-            source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-            eqn.ctx.manager,
-            rescale_policy.evaluating(eqn),
-        ):
-            outvals = _eval_equation(eqn, invals)
-        for observer in _trace_state.observers:
-            observer(eqn, invals, outvals)
-        for v, val in zip(eqn.outvars, outvals):
-            write(v, val)
-            if v in gradients:
-                pending.append(v)
+    with rescale_policy.recording_operand_rescales() as operand_rescales:
+        for eqn in jaxpr.eqns:
+            uses_gradient = pending and any(isinstance(v, Var) and v in gradients for v in eqn.invars)
+            if uses_gradient and not rescale_policy.is_backward_equation(eqn):
+                rescale_pending()
+            invals = [read(v) for v in eqn.invars]
+            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            with (
+                source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+                eqn.ctx.manager,
+                rescale_policy.evaluating(eqn),
+            ):
+                outvals = _eval_equation(eqn, invals)
+            for observer in _trace_state.observers:
+                observer(eqn, invals, outvals)
+            if operand_rescales:
+                _rebind_rescaled_operands(eqn, invals, operand_rescales, write)
+            for v, val in zip(eqn.outvars, outvals):
+                write(v, val)
+                if v in gradients:
+                    pending.append(v)
     if pending:
         rescale_pending()
     return [read(v) for v in jaxpr.outvars]
+
+
+def _rebind_rescaled_operands(eqn: JaxprEqn, invals: list, rescaled: dict, write) -> None:
+    """Binds each operand a rule rescaled (same value) to its rescaled array, then empties the record."""
+    for v, x in zip(eqn.invars, invals):
+        if id(x) in rescaled and rescaled[id(x)][0] is x:
+            write(v, rescaled[id(x)][1])
+    rescaled.clear()
 
 
 def _gradients_to_rescale(jaxpr: Jaxpr) -> frozenset:

@@ -138,6 +138,7 @@ class _PolicyState(threading.local):
     def __init__(self):
         self.stack: list[tuple[RescalePolicy, dict[int, Any]]] = []
         self.backward_depth = 0
+        self.operand_rescales: list[dict[int, tuple[Any, Any]]] = []
 
 
 _state = _PolicyState()
@@ -197,6 +198,38 @@ def rescale(x: Any, policy: RescalePolicy | None = None) -> Any:
 
     policy = policy or active_policy()
     return mark_rescaled(rescale_scaled_array(x, policy.norm, policy.sample_size))
+
+
+def rescale_operand(x: Any) -> Any:
+    """:func:`rescale` of an operand of the equation being evaluated; later equations read the result.
+
+    A rescale changes the representation, not the value, so once a rule has rescaled an
+    operand the interpreter binds the operand's variable to the rescaled array for the
+    equations after it (:func:`recording_operand_rescales`): the base of ``x ** 3``,
+    rescaled for the cube, is also the ``x`` of the ``3 * x ** 2`` and ``x * t`` that
+    differentiate it, instead of the drifted data multiplied once more. For rules that
+    trace no sub-computation (the result must belong to the trace of the operand).
+    """
+    out = rescale(x)
+    if out is not x and _state.operand_rescales:
+        _state.operand_rescales[-1][id(x)] = (x, out)
+    return out
+
+
+@contextlib.contextmanager
+def recording_operand_rescales() -> Iterator[dict[int, tuple[Any, Any]]]:
+    """Collects the :func:`rescale_operand` calls of one jaxpr's evaluation: ``id(x) -> (x, rescaled x)``.
+
+    The interpreter opens one record per evaluated jaxpr (a sub-jaxpr has its own, so a
+    rescale made there never rebinds a variable of the enclosing jaxpr) and empties it after
+    each equation.
+    """
+    record: dict[int, tuple[Any, Any]] = {}
+    _state.operand_rescales.append(record)
+    try:
+        yield record
+    finally:
+        _state.operand_rescales.pop()
 
 
 def rescale_all(values: Sequence[Any], policy: RescalePolicy | None = None) -> list:
@@ -306,5 +339,7 @@ __all__ = [
     "rescale_loop_carries",
     "rescale_self_product",
     "mark_rescaled",
+    "recording_operand_rescales",
+    "rescale_operand",
     "was_rescaled",
 ]

@@ -28,8 +28,7 @@ from jax.extend.core import Primitive
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
-from ..core.policy import active_policy
-from ..core.policy import rescale as rescale_by_policy
+from ..core.policy import active_policy, rescale_operand
 from ..core.registry import register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
     ScaleMap,
@@ -119,7 +118,7 @@ def scaled_integer_pow(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     2**8 and stay static.
     """
     if abs(y) >= 3 and narrow_range(x.dtype) and active_policy().self_products:
-        x = rescale_by_policy(x)
+        x = rescale_operand(x)
     return scaled_power(P.integer_pow_p.bind(x.data, y=y, **params), x.scale, y)
 
 

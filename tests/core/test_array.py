@@ -167,6 +167,16 @@ def test_scalify_boundary_checks_data_and_scale_types():
         jsa.scalify(jnp.sum)(broken)
 
 
+def test_a_filter_spec_mapped_over_scaled_arrays_is_caught_with_the_way_to_build_it():
+    """Equinox's freezing idiom ``jax.tree.map(lambda _: False, model)`` on a scaled model."""
+    model = jsa.as_scaled_array({"w": jnp.ones(3)})
+    spec = jax.tree.map(lambda _: False, model)
+    with pytest.raises(TypeError, match="is_leaf=jsa.is_scaled_leaf"):
+        jsa.scalify(lambda m, s: jnp.sum(m["w"]))(model, spec)
+    good = jax.tree.map(lambda _: False, model, is_leaf=jsa.is_scaled_leaf)
+    assert good == {"w": False}
+
+
 def test_cast_of_a_whole_tree_with_jax_tree_map_is_caught():
     """jax.tree.map(astype) also casts the scale: small scales become 0 in float16."""
     tree = jsa.as_scaled_array({"w": jnp.array([3e-9, 1e-9])})

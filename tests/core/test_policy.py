@@ -150,6 +150,20 @@ def test_the_cube_of_float16_data_far_from_unit_size_does_not_overflow():
     assert float(square.scale) == 2.0**-12
 
 
+def test_an_operand_rescaled_by_a_rule_is_read_rescaled_by_later_equations():
+    """The tanh GELU's derivative multiplies ``x`` three times (``x * 3 * x ** 2``) and the
+    cotangent: float16 data of RMS 16 for both overflowed (an Equinox conv autoencoder, NaN
+    at step 5), though the cube itself had its base rescaled. The later uses of ``x`` now
+    read that rescaled base."""
+    x, ct = 16 * RNG.standard_normal((2, 64, 64))
+    x = jsa.ScaledArray(jnp.asarray(x, jnp.float16), jnp.float32(2.0**-4))
+    ct = jsa.ScaledArray(jnp.asarray(ct, jnp.float16), jnp.float32(2.0**-4))
+    grad = jax.grad(lambda x, ct: jnp.sum(jax.nn.gelu(x) * ct))
+    got = np.asarray(jsa.scalify(grad, policy=SELF_PRODUCTS_ONLY)(x, ct).to_array(jnp.float32))
+    expected = grad(exact_value(x).astype(np.float32), exact_value(ct).astype(np.float32))
+    np.testing.assert_allclose(got, expected, rtol=0, atol=4e-3 * np.max(np.abs(expected)))
+
+
 # --- gradients -------------------------------------------------------------------------------
 def test_gradient_boundary_is_the_values_leaving_the_backward_pass():
     closed = jax.make_jaxpr(sgd_step)(W, X)

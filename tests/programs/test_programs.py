@@ -17,7 +17,8 @@ The invariance checks of five programs and the short FP16 run of the NNX CNN (``
 part of the default test run; the GPT's invariance, the other short FP16 runs, the FP8 runs
 and the long FP16 runs are marked ``slow`` (run them with ``-m slow``), as are the checks of
 ``MORE_PROGRAMS`` (a Linen ResNet with BatchNorm statistics, a Linen LSTM, NNX LoRA, an
-Equinox parallel-scan recurrence) and of the RealNVP flow.
+Equinox parallel-scan recurrence; an Equinox convolutional autoencoder runs by default) and
+of the RealNVP flow.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import pytest
 import jax_scalify as jsa
 
 from . import (
+    autoencoder_eqx,
     cnn_nnx,
     conv_eqx,
     diffusion_linen,
@@ -49,10 +51,13 @@ from . import (
 from .harness import Program, _as_jax, _leaf_errors, final_loss, invariance_errors, relative_excess, train
 
 PROGRAMS = [m.PROGRAM for m in (gpt_linen, cnn_nnx, gru_eqx, conv_eqx, diffusion_linen, mlp_jax)]
-# More idioms, checked in the slow run only (invariance and short FP16 training): Linen
-# BatchNorm with a mutable batch_stats collection, Linen's nn.RNN over an LSTM cell, NNX LoRA,
-# an Equinox linear recurrence computed by jax.lax.associative_scan.
-MORE_PROGRAMS = [m.PROGRAM for m in (resnet_linen, lstm_linen, lora_nnx, lru_eqx)]
+# More idioms (invariance and short FP16 training): Linen BatchNorm with a mutable
+# batch_stats collection, Linen's nn.RNN over an LSTM cell, NNX LoRA, an Equinox linear
+# recurrence computed by jax.lax.associative_scan (these four in the slow run only), and an
+# Equinox convolutional autoencoder with a tanh GELU (small: in the default run too).
+MORE_PROGRAMS = [m.PROGRAM for m in (resnet_linen, lstm_linen, lora_nnx, lru_eqx, autoencoder_eqx)]
+DEFAULT_MORE = ("autoencoder_eqx",)
+MORE = [p if p.name in DEFAULT_MORE else pytest.param(p, marks=pytest.mark.slow) for p in MORE_PROGRAMS]
 DENSE_PROGRAMS = [p for p in PROGRAMS if p.has_dense]
 INVARIANCE_TOLERANCE = 1e-4
 FP16_TOLERANCE = 0.05
@@ -140,16 +145,14 @@ def test_fp8_long(program: Program, record_property):
     check_fp8(program, program.slow_steps, record_property, program.slow_summary)
 
 
-@pytest.mark.slow
-@by_name(MORE_PROGRAMS)
+@by_name(MORE)
 def test_more_programs_float32_invariance(program: Program):
     errors = invariance_errors(program, steps=2)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= INVARIANCE_TOLERANCE, f"{program.name}: {errors[worst]:.3g} at {worst}"
 
 
-@pytest.mark.slow
-@by_name(MORE_PROGRAMS)
+@by_name(MORE)
 def test_more_programs_fp16(program: Program, record_property):
     check_fp16(program, program.fp16_steps, record_property)
 
