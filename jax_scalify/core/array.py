@@ -581,6 +581,10 @@ def _check_given_scale(scale: Any) -> None:
 def asarray(tree: Any, dtype: DTypeLike = None) -> Any:
     """The inverse of :func:`as_scaled_array`: every ``ScaledArray`` becomes ``data * scale``.
 
+    Each value is given in its data's dtype unless ``dtype`` says otherwise: float16 data
+    at a scale of ``2**-30`` hold values near ``1e-9`` exactly, which a float16 array flushes
+    to zero. To read or log small values, ask for float32: ``jsa.asarray(tree, jnp.float32)``.
+
     Args:
         tree: a pytree with ``ScaledArray`` or plain leaves.
         dtype: if given, the dtype of the converted scaled leaves and of plain floating leaves.
