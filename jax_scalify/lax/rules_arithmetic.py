@@ -30,7 +30,8 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import Pow2RoundMode, get_scalify_config
-from ..core.policy import mark_rescaled, rescale_self_product, was_rescaled
+from ..core.policy import active_policy, in_backward_pass, mark_rescaled, rescale_self_product, was_rescaled
+from ..core.policy import rescale as rescale_by_policy
 from ..core.pow2 import pow2_round_positive_or_one
 from ..core.registry import register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
@@ -40,6 +41,7 @@ from .base_scaling import (
     is_numpy,
     largest_scale,
     mul_data,
+    narrow_range,
     rescale,
     round_scale,
     scale_max,
@@ -117,7 +119,43 @@ def _sum_scale(a: ScaledArray, b: ScaledArray) -> Array:
 
 def _scaled_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, params: dict) -> ScaledArray:
     scale = _sum_scale(a, b)
+    if _rescales_backward_sum(a, b):
+        return _rescaled_backward_sum(prim, a, b, scale, params)
     return ScaledArray(_bind(prim, rescale(a, scale), rescale(b, scale), **params), scale)
+
+
+def _rescales_backward_sum(a: ScaledArray, b: ScaledArray) -> bool:
+    """A backward-pass sum of narrow data with two operands of their own run-time scales."""
+    return (
+        narrow_range(a.dtype)
+        and a.scale is not b.scale
+        and not (is_any_scale(a) or is_any_scale(b))
+        and not (is_numpy(a.scale) or is_numpy(b.scale))
+        and active_policy().gradients
+        and in_backward_pass()
+    )
+
+
+def _rescaled_backward_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, scale, params: dict) -> ScaledArray:
+    """``a + b`` in the backward pass: summed in float32 at the static scale, then rescaled from its result.
+
+    The static scale is about the larger operand scale, which is right when both operands
+    have unit-sized data. In a backward pass an operand's data is often far below that: a
+    product with a factor that cancelled (the tanh GELU's derivative multiplies the cotangent
+    by ``x``, ``3 * x ** 2`` and ``1 - tanh(...) ** 2``, 0 where tanh saturates, so that term
+    carries the scale of ``x ** 3`` with data near 0); at that scale the other operand, which
+    holds the value, is flushed in float16 (the GELU's input gradient was 0 for inputs of a
+    few thousand). Summed in float32 and narrowed with its own statistic, it keeps it.
+
+    The float32 sum is taken at the smaller operand scale (at most ``2**60`` below the
+    static one, so float32 data cannot overflow), which a zero statistic keeps: an all-zero
+    cotangent (a zero-initialised output layer) no longer carries the ``x ** 3`` scale of
+    each GELU it goes through (``2**20`` per layer for inputs near ``2**10``, inf after ten).
+    """
+    work_scale = scale_max(scale_min(a.scale, b.scale), scale * np.float32(2.0**-60))
+    wide = [ScaledArray(x.data.astype(jnp.float32), x.scale) for x in (a, b)]
+    total = ScaledArray(_bind(prim, *(rescale(x, work_scale).data for x in wide), **params), work_scale)
+    return rescale_by_policy(total).astype(a.dtype)
 
 
 def _scaled_aligned(prim: Primitive, operands: Sequence[Any], params: dict) -> ScaledArray:

@@ -35,7 +35,6 @@ from .base_scaling import (
     as_scale,
     exact_root,
     is_numpy,
-    narrow_range,
     on_value,
     scale_capped_at_one,
     scaled_power,
@@ -111,13 +110,15 @@ scaled_round = _on_value_rule(P.round_p, _scale_floored_at_one, _ROUNDING_DOC)
 def scaled_integer_pow(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     """Scale s**y (exact for a power of two; past the float32 range the excess goes into the data), data da**y.
 
-    A float16/FP8 base with ``|y| >= 3`` is first rescaled under the rescale policy's
-    ``self_products``: a power multiplies the data's departure from unit size by ``y``, and a
-    cube of float16 data overflows from a departure of 2**5.3 (a parallel-scan recurrence's
-    state reached 2**4.5 and its tanh GELU cubed it). Squares, in every LayerNorm, need
-    2**8 and stay static.
+    A base with ``|y| >= 3`` is first rescaled under the rescale policy's ``self_products``
+    (and the equations after the power read it rescaled): a power multiplies the data's
+    departure from unit size by ``y``. A cube of float16 data overflows from a departure of
+    2**5.3 (a parallel-scan recurrence's state reached 2**4.5 and its tanh GELU cubed it); in
+    float32 a departure of 2**26 (three GELU layers sharing a weight whose scale is 2**8 off)
+    cubes to data that the GELU's derivative underflows and a scale it overflows (NaN).
+    Squares, in every LayerNorm, need 2**8 in float16 and stay static.
     """
-    if abs(y) >= 3 and narrow_range(x.dtype) and active_policy().self_products:
+    if abs(y) >= 3 and active_policy().self_products:
         x = rescale_operand(x)
     return scaled_power(P.integer_pow_p.bind(x.data, y=y, **params), x.scale, y)
 

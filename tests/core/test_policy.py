@@ -150,6 +150,23 @@ def test_the_cube_of_float16_data_far_from_unit_size_does_not_overflow():
     assert float(square.scale) == 2.0**-12
 
 
+def test_float32_gelu_layers_sharing_a_weight_at_a_drifted_scale_stay_invariant():
+    """The weight's scale 2**8 off its data compounds through three layers (data 2**-26) and
+    the cube of the tanh GELU takes it to 2**-78: the derivative then underflowed the data
+    and overflowed the scale (NaN). The cube's base is rescaled in float32 too."""
+    w, x = W[0] / 2, X[:, :8]
+
+    def loss(w, x):
+        for _ in range(3):
+            x = jax.nn.gelu(x @ w)
+        return jnp.mean(x**2)
+
+    grad = jax.grad(loss)
+    expected = np.asarray(grad(w, x))
+    got = jax.jit(jsa.scalify(grad))(jsa.ScaledArray(w / 2**8, np.float32(2**8)), jsa.as_scaled_array(x))
+    np.testing.assert_allclose(np.asarray(got.to_array()), expected, rtol=1e-5, atol=1e-7 * np.abs(expected).max())
+
+
 def test_an_operand_rescaled_by_a_rule_is_read_rescaled_by_later_equations():
     """The tanh GELU's derivative multiplies ``x`` three times (``x * 3 * x ** 2``) and the
     cotangent: float16 data of RMS 16 for both overflowed (an Equinox conv autoencoder, NaN
@@ -165,6 +182,42 @@ def test_an_operand_rescaled_by_a_rule_is_read_rescaled_by_later_equations():
 
 
 # --- gradients -------------------------------------------------------------------------------
+def test_a_backward_sum_keeps_the_operand_that_holds_the_value():
+    """The tanh GELU's derivative adds ``ct * cdf`` (the value) to a term at the scale of
+    ``x ** 3`` whose data are near 0 where tanh saturates: at that static scale the first
+    operand was flushed in float16, and the gradient at inputs of a few hundred or more was 0
+    instead of 1. The backward sum is now taken in float32 and rescaled from its result."""
+    x = 3000 * RNG.standard_normal(1024).astype(np.float32)
+    grad = jax.grad(lambda x: jnp.sum(jax.nn.gelu(x)))
+    expected = np.asarray(grad(x))
+    scaled_x = jsa.tree.astype(jsa.as_scaled_array(x), jnp.float16)
+    got = np.asarray(jax.jit(jsa.scalify(grad))(scaled_x).to_array(jnp.float32))
+    large = np.abs(x) > 64  # entries far below the tensor's RMS lose their precision in its float16 data
+    assert large.sum() > 900
+    np.testing.assert_allclose(got[large], expected[large], atol=1e-3)
+
+
+def test_a_zero_cotangent_through_deep_gelu_layers_keeps_a_finite_scale():
+    """A zero-initialised output layer sends an all-zero cotangent back; each GELU multiplied
+    its static scale by that of ``x ** 2`` (``2**20`` for activations near ``2**10``), inf
+    after ten layers and NaN gradients under scalify where plain JAX gives zeros."""
+    rng = np.random.default_rng(1)
+    ws = [jnp.asarray(rng.standard_normal((32, 32)) * np.sqrt(2 / 32), jnp.float32) for _ in range(10)]
+    head = jnp.zeros((32, 4))
+
+    def loss(ws, head, x):
+        h = jax.nn.relu(x @ ws[0])
+        for w in ws[1:]:
+            h = h + jax.nn.gelu(h @ w)
+        return jnp.mean((h @ head) ** 2)
+
+    x = jnp.asarray(30 * rng.standard_normal((16, 32)), jnp.float32)
+    scaled = jsa.tree.astype(jsa.as_scaled_array((ws, head, x)), jnp.float16)
+    grads = jax.jit(jsa.scalify(jax.grad(loss)))(*scaled)
+    for g in grads:
+        assert np.all(np.asarray(g.to_array(jnp.float32)) == 0) and np.isfinite(float(g.scale))
+
+
 def test_gradient_boundary_is_the_values_leaving_the_backward_pass():
     closed = jax.make_jaxpr(sgd_step)(W, X)
     boundary = policy_module.gradient_boundary(closed.jaxpr)
