@@ -508,7 +508,22 @@ def _rescaled_backward_sum(scale: Array, r: np.ndarray, reduce: Callable[..., Ar
     """
     inv_r = as_scale(1 / r)
     wide = reduce(*[mul_data(d.astype(jnp.float32), inv_r) for d in datas])
-    return rescale_by_policy(scaled_product(wide, scale, r)).astype(datas[0].dtype)
+    return narrowed_within_range(rescale_by_policy(scaled_product(wide, scale, r)), datas[0].dtype)
+
+
+def narrowed_within_range(x: ScaledArray, dtype: Any) -> ScaledArray:
+    """``x`` (wide data) cast to the narrow ``dtype``, its scale raised where its largest entry would overflow.
+
+    A statistic of a sample sets a unit-sized RMS; an entry more than about ``2**15`` times
+    that RMS (a bias gradient where a few units carry everything) would become inf in
+    float16. The largest magnitude of the whole tensor bounds the data at half the dtype's
+    largest power of two (a power-of-two factor: exact), at the cost of one reduction.
+    """
+    limit = np.float32(2.0 ** (jnp.finfo(dtype).maxexp - 2))
+    peak = jnp.max(jnp.abs(x.data)).astype(np.float32)
+    factor = jnp.where(jnp.isfinite(peak) & (peak > limit), pow2_round_up(peak / limit), np.float32(1))
+    scale = as_scale(x.scale)
+    return ScaledArray((x.data / factor.astype(x.data.dtype)).astype(dtype), scale * factor.astype(scale.dtype))
 
 
 def single_binary_reducer(jaxpr: Jaxpr, consts: Sequence[Any]) -> Primitive | None:

@@ -42,6 +42,7 @@ from .base_scaling import (
     largest_scale,
     mul_data,
     narrow_range,
+    narrowed_within_range,
     rescale,
     round_scale,
     scale_max,
@@ -155,7 +156,7 @@ def _rescaled_backward_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, scal
     work_scale = scale_max(scale_min(a.scale, b.scale), scale * np.float32(2.0**-60))
     wide = [ScaledArray(x.data.astype(jnp.float32), x.scale) for x in (a, b)]
     total = ScaledArray(_bind(prim, *(rescale(x, work_scale).data for x in wide), **params), work_scale)
-    return rescale_by_policy(total).astype(a.dtype)
+    return narrowed_within_range(rescale_by_policy(total), a.dtype)
 
 
 def _scaled_aligned(prim: Primitive, operands: Sequence[Any], params: dict) -> ScaledArray:

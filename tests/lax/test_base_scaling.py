@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 import jax_scalify as jsa
-from jax_scalify.lax.base_scaling import mul_data, numpy_api, rebalance_stacked, unscaled, with_scalar_scale
+from jax_scalify.lax.base_scaling import (
+    mul_data,
+    narrowed_within_range,
+    numpy_api,
+    rebalance_stacked,
+    unscaled,
+    with_scalar_scale,
+)
 
 
 def _every_value(dtype) -> np.ndarray:
@@ -93,3 +100,15 @@ def test_unscaled_and_numpy_api():
     assert unscaled(plain) is plain
     assert numpy_api(np.float32(1), 2.0, np.ones(2)) is np
     assert numpy_api(np.float32(1), jnp.ones(2)) is jnp
+
+
+def test_narrowing_raises_the_scale_where_the_largest_entry_would_overflow():
+    """A backward sum rescaled by the RMS of a sample that missed its one large entry."""
+    data = np.full(128, 1.0, np.float32)
+    data[1] = 2.0**20  # float16 holds up to 65504
+    wide = jsa.ScaledArray(jnp.asarray(data), jnp.float32(2.0**-3))
+    out = narrowed_within_range(wide, jnp.float16)
+    assert out.dtype == jnp.float16 and float(out.scale) == 2.0**3  # 2**20 / 2**14: factor 2**6
+    np.testing.assert_array_equal(np.asarray(out.to_array(jnp.float32)), data * 2.0**-3)
+    unchanged = narrowed_within_range(jsa.ScaledArray(jnp.ones(4), jnp.float32(2.0)), jnp.float16)
+    assert float(unchanged.scale) == 2.0 and np.all(np.asarray(unchanged.data) == 1)
