@@ -519,6 +519,8 @@ def narrowed_within_range(x: ScaledArray, dtype: Any) -> ScaledArray:
     float16. The largest magnitude of the whole tensor bounds the data at half the dtype's
     largest power of two (a power-of-two factor: exact), at the cost of one reduction.
     """
+    if np.size(x.data) == 0:
+        return ScaledArray(x.data.astype(dtype), x.scale)
     limit = np.float32(2.0 ** (jnp.finfo(dtype).maxexp - 2))
     peak = jnp.max(jnp.abs(x.data)).astype(np.float32)
     factor = jnp.where(jnp.isfinite(peak) & (peak > limit), pow2_round_up(peak / limit), np.float32(1))

@@ -112,3 +112,5 @@ def test_narrowing_raises_the_scale_where_the_largest_entry_would_overflow():
     np.testing.assert_array_equal(np.asarray(out.to_array(jnp.float32)), data * 2.0**-3)
     unchanged = narrowed_within_range(jsa.ScaledArray(jnp.ones(4), jnp.float32(2.0)), jnp.float16)
     assert float(unchanged.scale) == 2.0 and np.all(np.asarray(unchanged.data) == 1)
+    empty = narrowed_within_range(jsa.ScaledArray(jnp.ones((0, 3)), jnp.float32(2.0)), jnp.float16)
+    assert empty.shape == (0, 3) and empty.dtype == jnp.float16
