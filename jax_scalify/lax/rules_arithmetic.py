@@ -138,7 +138,7 @@ def _rescales_backward_sum(a: ScaledArray, b: ScaledArray) -> bool:
 
 
 def _rescaled_backward_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, scale, params: dict) -> ScaledArray:
-    """``a + b`` in the backward pass: summed in float32 at the static scale, then rescaled from its result.
+    """``a + b`` in the backward pass: summed in float32, rescaled from its result, narrowed without overflow.
 
     The static scale is about the larger operand scale, which is right when both operands
     have unit-sized data. In a backward pass an operand's data is often far below that: a
