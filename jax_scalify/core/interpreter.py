@@ -49,6 +49,7 @@ class _TraceState(threading.local):
     def __init__(self):
         self.depth = 0
         self.observers: list[EquationObserver] = []
+        self.evaluating: list[JaxprEqn] = []  # the equations being evaluated, outermost first
 
 
 _trace_state = _TraceState()
@@ -367,7 +368,11 @@ def _eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> lis
                 eqn.ctx.manager,
                 rescale_policy.evaluating(eqn),
             ):
-                outvals = _eval_equation(eqn, invals)
+                _trace_state.evaluating.append(eqn)
+                try:
+                    outvals = _eval_equation(eqn, invals)
+                finally:
+                    _trace_state.evaluating.pop()
             for observer in _trace_state.observers:
                 observer(eqn, invals, outvals)
             if operand_rescales:
@@ -528,14 +533,16 @@ def _user_location(eqn: JaxprEqn) -> str:
     """The innermost user source line that produced ``eqn``: not in JAX, NumPy or jax_scalify.
 
     The equation's own traceback is searched first. An equation traced entirely inside
-    library code (e.g. a jitted library function, whose sub-jaxpr is traced on its own) has
-    no user frame there; the current Python stack then gives the line that called the
-    scalified function.
+    library code (a jitted library function such as ``jnp.fft.rfft``, whose sub-jaxpr is
+    traced on its own) has no user frame there; the equations that enclose it (the call of
+    that function) are searched next, innermost first, then the current Python stack, which
+    gives the line that called the scalified function.
     """
-    traceback = eqn.source_info.traceback
-    for frame in traceback.frames if traceback is not None else ():
-        if not _is_library_file(frame.file_name):
-            return f"{frame.file_name}:{frame.line_num} ({frame.function_name})"
+    for enclosing in [eqn, *reversed(_trace_state.evaluating)]:
+        traceback = enclosing.source_info.traceback
+        for frame in traceback.frames if traceback is not None else ():
+            if not _is_library_file(frame.file_name):
+                return f"{frame.file_name}:{frame.line_num} ({frame.function_name})"
     for frame in reversed(pytraceback.extract_stack()):
         if not _is_library_file(frame.filename):
             return (

@@ -204,6 +204,18 @@ def test_missing_rule_in_a_jitted_library_function_names_the_call_site():
     assert "jax_scalify" not in line.replace("test_interpreter", "")
 
 
+def test_missing_rule_in_a_library_function_names_the_user_line_that_called_it():
+    """``jnp.fft.rfft`` is a jitted JAX function: its ``fft`` equation has no user frame, the call has."""
+
+    def spectrum_loss(x):
+        return jnp.sum(jnp.abs(jnp.fft.rfft(x)))  # the line the error names
+
+    with pytest.raises(NotImplementedError) as info:
+        jax.jit(jsa.scalify(spectrum_loss))(scaled(X, 2.0))
+    (line,) = [ln for ln in str(info.value).splitlines() if ln.strip().startswith("from:")]
+    assert "test_interpreter.py" in line and "spectrum_loss)" in line, line
+
+
 def test_a_loss_gradient_seed_keeps_its_constant_factors_in_the_scale():
     """``jax.grad``'s seed times the mean's ``1/N`` and a loss weight is a known constant.
 
