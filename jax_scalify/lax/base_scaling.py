@@ -117,7 +117,8 @@ def scale_div(a: Array, b: Array) -> Array:
     a, b = as_scale(a), as_scale(b)
     if is_numpy(b) and np.ndim(b) == 0 and b == 1:
         return a
-    return as_scale(a / b)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a zero scale (asserted zero) gives inf or nan
+        return as_scale(a / b)
 
 
 def scale_bounds() -> tuple[np.ndarray, np.ndarray]:
@@ -422,7 +423,8 @@ def exact_root(x: ScaledArray, n: int, data_fn: Callable[[Array], Array], invers
     else:
         data, out_scale = _traced_root(x, scale, n, data_fn)
     if inverse:
-        out_scale = 1 / out_scale
+        with np.errstate(divide="ignore"):  # the inverse root of an asserted zero is inf
+            out_scale = 1 / out_scale
     return ScaledArray(data, as_scale(out_scale))
 
 

@@ -68,8 +68,9 @@ def _unit(data: Array) -> ScaledArray:
 
 
 def _ratio(num: Array, den: Array) -> Array:
-    """``num / den`` of two scales (exact for powers of two)."""
-    return as_scale(as_scale(num) / as_scale(den))
+    """``num / den`` of two scales (exact for powers of two; a zero scale gives inf or nan)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return as_scale(as_scale(num) / as_scale(den))
 
 
 def _below_band(shape: Sequence[int], offset: int, lower: bool = True) -> Array:
@@ -87,7 +88,8 @@ def _packed(data: Array, scale: Array, offset: int, lower: bool = True) -> Scale
     rest is degree 1 and keeps ``scale``.
     """
     scale = as_scale(scale)
-    unscaled = mul_data(data, as_scale(1 / scale))
+    with np.errstate(divide="ignore"):  # an asserted-zero matrix: 1 / 0 is inf
+        unscaled = mul_data(data, as_scale(1 / scale))
     return ScaledArray(jnp.where(_below_band(data.shape, offset, lower), unscaled, data), scale)
 
 
