@@ -49,7 +49,7 @@ class _TraceState(threading.local):
     def __init__(self):
         self.depth = 0
         self.observers: list[EquationObserver] = []
-        self.evaluating: list[JaxprEqn] = []  # the equations being evaluated, outermost first
+        self.enclosing: list[JaxprEqn] = []  # the equations being evaluated, outermost first
 
 
 _trace_state = _TraceState()
@@ -368,11 +368,11 @@ def _eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> lis
                 eqn.ctx.manager,
                 rescale_policy.evaluating(eqn),
             ):
-                _trace_state.evaluating.append(eqn)
+                _trace_state.enclosing.append(eqn)
                 try:
                     outvals = _eval_equation(eqn, invals)
                 finally:
-                    _trace_state.evaluating.pop()
+                    _trace_state.enclosing.pop()
             for observer in _trace_state.observers:
                 observer(eqn, invals, outvals)
             if operand_rescales:
@@ -421,7 +421,7 @@ def _eval_equation(eqn: JaxprEqn, invals: list) -> list:
     if entry.unpromoted_inputs:
         inputs = list(invals)
     else:
-        backward = _rescales_backward_entries()
+        backward = rescale_policy.rescales_in_backward_pass()  # evaluating(eqn) counts a backward eqn
         inputs = [_promote_if_floating(x, backward) for x in invals]
     outs = entry.rule(*inputs, **eqn.params)
     outs = list(outs) if prim.multiple_results else [outs]
@@ -460,15 +460,6 @@ def _promote_if_floating(x, backward: bool = False):
         # labels): its data is not unit-sized, so its statistic goes into the scale.
         return rescale_policy.rescale(promoted)
     return promoted
-
-
-def _rescales_backward_entries() -> bool:
-    """Whether the policy rescales the plain operands promoted by the equation being evaluated.
-
-    The equation is evaluated inside :func:`~jax_scalify.core.policy.evaluating`, so a
-    backward equation is already counted by ``in_backward_pass``.
-    """
-    return rescale_policy.active_policy().gradients and rescale_policy.in_backward_pass()
 
 
 def eval_closed_jaxpr(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
@@ -538,7 +529,7 @@ def _user_location(eqn: JaxprEqn) -> str:
     that function) are searched next, innermost first, then the current Python stack, which
     gives the line that called the scalified function.
     """
-    for enclosing in [eqn, *reversed(_trace_state.evaluating)]:
+    for enclosing in [eqn, *reversed(_trace_state.enclosing)]:
         traceback = enclosing.source_info.traceback
         for frame in traceback.frames if traceback is not None else ():
             if not _is_library_file(frame.file_name):

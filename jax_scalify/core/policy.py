@@ -289,6 +289,14 @@ def in_backward_pass() -> bool:
     return _state.backward_depth > 0 or _is_backward_stack(source_info_util.current_name_stack())
 
 
+def rescales_in_backward_pass() -> bool:
+    """Whether the ``gradients`` component acts here: inside a backward pass, under a policy that has it.
+
+    It then rescales the plain arrays the backward pass promotes and its sums of narrow data.
+    """
+    return active_policy().gradients and in_backward_pass()
+
+
 @contextlib.contextmanager
 def evaluating(eqn: Any) -> Iterator[None]:
     """Marks the evaluation of ``eqn`` as part of the backward pass if it is a backward equation.
@@ -341,5 +349,6 @@ __all__ = [
     "mark_rescaled",
     "recording_operand_rescales",
     "rescale_operand",
+    "rescales_in_backward_pass",
     "was_rescaled",
 ]

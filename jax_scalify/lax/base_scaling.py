@@ -24,8 +24,8 @@ from jax.extend.core import Jaxpr, Primitive
 
 from ..core.array import ScaledArray, unscaled
 from ..core.config import Pow2RoundMode, get_scalify_config
-from ..core.policy import active_policy, in_backward_pass
 from ..core.policy import rescale as rescale_by_policy
+from ..core.policy import rescales_in_backward_pass
 from ..core.pow2 import (
     is_numpy,
     numpy_api,
@@ -487,7 +487,7 @@ def unit_scaled_sum(
     r = sqrt_size_pow2(num_terms)
     inv_r = as_scale(1 / r)
     dtype = datas[0].dtype
-    backward = not communicates and active_policy().gradients and in_backward_pass()
+    backward = not communicates and rescales_in_backward_pass()
     if narrow_range(dtype) and num_terms > 1 and backward:
         return _rescaled_backward_sum(scale, r, reduce, datas)
     if narrow_range(dtype):
@@ -510,7 +510,12 @@ def _rescaled_backward_sum(scale: Array, r: np.ndarray, reduce: Callable[..., Ar
     """
     inv_r = as_scale(1 / r)
     wide = reduce(*[mul_data(d.astype(jnp.float32), inv_r) for d in datas])
-    return narrowed_within_range(rescale_by_policy(scaled_product(wide, scale, r)), datas[0].dtype)
+    return rescaled_and_narrowed(scaled_product(wide, scale, r), datas[0].dtype)
+
+
+def rescaled_and_narrowed(wide: ScaledArray, dtype: Any) -> ScaledArray:
+    """A backward sum computed in float32: its statistic moved into the scale, then cast to ``dtype`` without overflow."""
+    return narrowed_within_range(rescale_by_policy(wide), dtype)
 
 
 def narrowed_within_range(x: ScaledArray, dtype: Any) -> ScaledArray:

@@ -30,8 +30,7 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import Pow2RoundMode, get_scalify_config
-from ..core.policy import active_policy, in_backward_pass, mark_rescaled, rescale_self_product, was_rescaled
-from ..core.policy import rescale as rescale_by_policy
+from ..core.policy import mark_rescaled, rescale_self_product, rescales_in_backward_pass, was_rescaled
 from ..core.pow2 import pow2_round_positive_or_one
 from ..core.registry import register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
@@ -42,8 +41,8 @@ from .base_scaling import (
     largest_scale,
     mul_data,
     narrow_range,
-    narrowed_within_range,
     rescale,
+    rescaled_and_narrowed,
     round_scale,
     scale_max,
     scale_min,
@@ -120,24 +119,23 @@ def _sum_scale(a: ScaledArray, b: ScaledArray) -> Array:
 
 def _scaled_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, params: dict) -> ScaledArray:
     scale = _sum_scale(a, b)
-    if _rescales_backward_sum(a, b):
-        return _rescaled_backward_sum(prim, a, b, scale, params)
+    if _is_backward_sum_to_rescale(a, b):
+        return _backward_sum_in_float32(prim, a, b, scale, params)
     return ScaledArray(_bind(prim, rescale(a, scale), rescale(b, scale), **params), scale)
 
 
-def _rescales_backward_sum(a: ScaledArray, b: ScaledArray) -> bool:
+def _is_backward_sum_to_rescale(a: ScaledArray, b: ScaledArray) -> bool:
     """A backward-pass sum of narrow data with two operands of their own run-time scales."""
     return (
         narrow_range(a.dtype)
         and a.scale is not b.scale
         and not (is_any_scale(a) or is_any_scale(b))
         and not (is_numpy(a.scale) or is_numpy(b.scale))
-        and active_policy().gradients
-        and in_backward_pass()
+        and rescales_in_backward_pass()
     )
 
 
-def _rescaled_backward_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, scale, params: dict) -> ScaledArray:
+def _backward_sum_in_float32(prim: Primitive, a: ScaledArray, b: ScaledArray, scale, params: dict) -> ScaledArray:
     """``a + b`` in the backward pass: summed in float32, rescaled from its result, narrowed without overflow.
 
     The static scale is about the larger operand scale, which is right when both operands
@@ -156,7 +154,7 @@ def _rescaled_backward_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, scal
     work_scale = scale_max(scale_min(a.scale, b.scale), scale * np.float32(2.0**-60))
     wide = [ScaledArray(x.data.astype(jnp.float32), x.scale) for x in (a, b)]
     total = ScaledArray(_bind(prim, *(rescale(x, work_scale).data for x in wide), **params), work_scale)
-    return narrowed_within_range(rescale_by_policy(total), a.dtype)
+    return rescaled_and_narrowed(total, a.dtype)
 
 
 def _scaled_aligned(prim: Primitive, operands: Sequence[Any], params: dict) -> ScaledArray:
