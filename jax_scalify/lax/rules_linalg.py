@@ -34,7 +34,6 @@ from .base_scaling import (
     as_scale,
     mul_data,
     narrow_range,
-    scale_mul,
     scaled_product,
     sqrt_size_pow2,
 )
@@ -87,7 +86,8 @@ def _unit_scaled_contraction(lhs: Any, rhs: Any, fan_in: int, contract: Callable
     out = contract(lhs_data, rhs_data)
     if target == _OUT:
         out = mul_data(out, inv_r)
-    return scaled_product(out, scale_mul(lhs_scale, r), rhs_scale)
+    product = scaled_product(out, lhs_scale, rhs_scale)
+    return scaled_product(product.data, product.scale, r)
 
 
 @register_scaled_lax_op

@@ -180,6 +180,18 @@ def test_float16_large_contraction_does_not_overflow():
     assert float(out.to_array(jnp.float32)[0, 0]) == 2.0**76
 
 
+def test_guarded_matmul_of_zero_data_at_the_largest_scale_stays_zero():
+    """``sa * sb * r`` past float32 with ``guard_traced_scales``: the excess moves into the data
+    (a finite factor), so zero data stay zero. Multiplying ``sa * r`` first overflowed to inf
+    and the excess ``inf * 0`` gave NaN (an all-zero cotangent through a deep network)."""
+    a = jsa.ScaledArray(jnp.zeros((4, 64)), jnp.float32(2.0**127))
+    b = jsa.ScaledArray(jnp.ones((64, 4)), jnp.float32(2.0**4))
+    with jsa.ScalifyConfig(guard_traced_scales=True):
+        out = jax.jit(jsa.scalify(lambda a, b: a @ b, policy=STATIC_POLICY))(a, b)
+    assert float(out.scale) == 2.0**127
+    assert np.all(np.asarray(out.data) == 0)
+
+
 @pytest.mark.parametrize(
     "lhs_shape, rhs_shape, dtype, rescaled",
     [
