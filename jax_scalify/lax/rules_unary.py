@@ -35,6 +35,8 @@ from .base_scaling import (
     as_scale,
     exact_root,
     is_numpy,
+    narrow_range,
+    narrowed_within_range,
     on_value,
     scale_capped_at_one,
     scaled_power,
@@ -117,9 +119,18 @@ def scaled_integer_pow(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     float32 a departure of 2**26 (three GELU layers sharing a weight whose scale is 2**8 off)
     cubes to data that the GELU's derivative underflows and a scale it overflows (NaN).
     Squares, in every LayerNorm, need 2**8 in float16 and stay static.
+
+    A negative power of narrow (float16, FP8) data is computed in float32 and narrowed with
+    its scale raised where its largest entry would overflow: the smallest entries of the base
+    decide, which no statistic of the base bounds (the derivative of ``q / sigma ** 2`` in
+    ``jax.scipy.stats.norm.logpdf`` takes ``sigma ** -4``; for sigmas in ``[0.06, 2.6]``,
+    a range float16 holds at one scale, ``0.0036 ** -2`` overflowed the data).
     """
     if abs(y) >= 3 and active_policy().self_products:
         x = rescale_operand(x)
+    if y < 0 and narrow_range(x.dtype):
+        power = scaled_power(P.integer_pow_p.bind(widen(x.data), y=y, **params), x.scale, y)
+        return narrowed_within_range(power, x.dtype)
     return scaled_power(P.integer_pow_p.bind(x.data, y=y, **params), x.scale, y)
 
 

@@ -204,6 +204,24 @@ def test_powers_are_exact_on_the_scale():
     assert _scale(jsa.scalify(lambda a: lax.integer_pow(a, -2), policy=STATIC_POLICY)(x)) == 2.0**80
 
 
+def test_negative_power_of_float16_data_with_small_entries_does_not_overflow():
+    """``sigma ** -4`` for sigmas in ``[0.06, 2.6]`` spans ``2**21.7``, which float16 data hold
+    at one scale; computed as ``d ** -2`` of the square's data (smallest entry 0.0036) it
+    overflowed (the derivative of ``jax.scipy.stats.norm.logpdf``: an inf gradient)."""
+    sigma = np.array([0.0604, 0.3, 1.0, 2.58], np.float32)
+    squared = jsa.tree.astype(jsa.as_scaled_array(jnp.asarray(sigma**2)), jnp.float16)
+    out = jsa.scalify(lambda a: lax.integer_pow(a, -2))(squared)
+    assert out.dtype == jnp.float16 and np.all(np.isfinite(np.asarray(out.data, np.float32)))
+    got = np.asarray(out.data, np.float64) * _scale(out)
+    np.testing.assert_allclose(got[:3], sigma[:3].astype(np.float64) ** -4, rtol=2e-3)
+
+    def nll(s):
+        return -jax.scipy.stats.norm.logpdf(jnp.asarray([0.5, -0.2, 0.1, 1.0], s.dtype), 0.0, s).sum()
+
+    grad = jax.jit(jsa.scalify(jax.grad(nll)))(jsa.tree.astype(jsa.as_scaled_array(jnp.asarray(sigma)), jnp.float16))
+    np.testing.assert_allclose(np.asarray(grad.to_array(jnp.float32)), jax.grad(nll)(sigma), rtol=4e-3)
+
+
 def test_log_of_large_data_and_small_scale_is_accurate():
     x = _scaled([1.5 * 2.0**20, 2.0**20, 3.0 * 2.0**21], -20, jnp.float32)
     out = jsa.scalify(jnp.log)(x)
