@@ -352,7 +352,8 @@ def _eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> lis
     pending: list[Var] = []  # gradients defined, to rescale together before their first forward use
 
     def rescale_pending():
-        for v, val in zip(pending, rescale_policy.rescale_all([env[v] for v in pending])):
+        fresh = [v for v in pending if not rescale_policy.was_rescaled(env[v])]  # a rule may have rescaled one
+        for v, val in zip(fresh, rescale_policy.rescale_all([env[v] for v in fresh])):
             env[v] = val
         pending.clear()
 

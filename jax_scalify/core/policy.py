@@ -62,7 +62,11 @@ class RescalePolicy:
             sum of float16/FP8 data (``reduce_sum``, ``cumsum``; not collectives) is accumulated in
             float32 and rescaled from its result before it is narrowed (the transposes of
             broadcasts add contributions that share a sign: up to ``K`` times a term, not
-            the ``sqrt(K)`` of the static rule); the rest of the backward pass is static.
+            the ``sqrt(K)`` of the static rule), and so is an elementwise sum (``add``,
+            ``sub``, ``add_any``) of two operands with run-time scales of their own, in any
+            floating dtype (taken at the smaller operand scale: a product whose factors
+            cancelled, such as the tanh GELU's ``x ** 3`` term, no longer lends its large
+            scale to the cotangent); the rest of the backward pass is static.
         loop_carries: rescale the scaled carries of ``scan`` and ``while`` bodies at every
             iteration (this includes the transposed scans of a backward pass).
         outputs: rescale the floating scaled outputs of the scalified function (the state

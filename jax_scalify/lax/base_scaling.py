@@ -24,8 +24,8 @@ from jax.extend.core import Jaxpr, Primitive
 
 from ..core.array import ScaledArray, unscaled
 from ..core.config import Pow2RoundMode, get_scalify_config
+from ..core.policy import mark_rescaled, rescales_in_backward_pass
 from ..core.policy import rescale as rescale_by_policy
-from ..core.policy import rescales_in_backward_pass
 from ..core.pow2 import (
     is_numpy,
     numpy_api,
@@ -320,6 +320,18 @@ def _fitting_scale(x: ScaledArray) -> np.ndarray:
     return as_scale(np.minimum(own, np.maximum(need, scale_bounds()[0])))
 
 
+def constant_raises_scale(operands: Sequence[ScaledArray]) -> bool:
+    """True if a trace-time constant among traced operands fits its data dtype only at a scale above 1.
+
+    Aligned with them (:func:`largest_scale`), such a constant (float32's max in
+    ``jnp.nan_to_num``, ``-1e9`` with float16 data) sets the common scale whatever the traced
+    operands' values.
+    """
+    constants = [x for x in operands if _is_trace_time_constant(x)]
+    traced = len(constants) < len([x for x in operands if not is_any_scale(x)])
+    return traced and any(np.ndim(x.scale) == 0 and _fitting_scale(x) > 1 for x in constants)
+
+
 def largest_scale(operands: Sequence[ScaledArray]) -> Array:
     """The largest scale among the operands that have one (any-scale operands skipped).
 
@@ -514,8 +526,13 @@ def _rescaled_backward_sum(scale: Array, r: np.ndarray, reduce: Callable[..., Ar
 
 
 def rescaled_and_narrowed(wide: ScaledArray, dtype: Any) -> ScaledArray:
-    """A backward sum computed in float32: its statistic moved into the scale, then cast to ``dtype`` without overflow."""
-    return narrowed_within_range(rescale_by_policy(wide), dtype)
+    """A backward sum computed in float32 (or wider): its statistic moved into the scale, then cast to a narrow ``dtype`` without overflow.
+
+    The result counts as rescaled by the policy: a gradient it returns is not rescaled again
+    at the end of the backward pass (where a raised scale's outlier would overflow anyway).
+    """
+    rescaled = rescale_by_policy(wide)
+    return mark_rescaled(narrowed_within_range(rescaled, dtype)) if narrow_range(dtype) else rescaled
 
 
 def narrowed_within_range(x: ScaledArray, dtype: Any) -> ScaledArray:
@@ -533,6 +550,20 @@ def narrowed_within_range(x: ScaledArray, dtype: Any) -> ScaledArray:
     factor = jnp.where(jnp.isfinite(peak) & (peak > limit), pow2_round_up(peak / limit), np.float32(1))
     scale = as_scale(x.scale)
     return ScaledArray((x.data / factor.astype(x.data.dtype)).astype(dtype), scale * factor.astype(scale.dtype))
+
+
+def lowered_to_largest_entry(x: ScaledArray) -> ScaledArray:
+    """``x`` with its scale lowered (never raised) until its largest data entry is in ``[1, 2)``.
+
+    One reduction of the whole tensor. All-zero or non-finite data keep their scale; the
+    scale stays a normal number.
+    """
+    peak = jnp.max(jnp.abs(x.data)).astype(np.float32)
+    below_one = jnp.isfinite(peak) & (peak > 0) & (peak < 1)
+    scale = as_scale(x.scale)
+    factor = jnp.where(below_one, pow2_round_down(peak), np.float32(1)).astype(scale.dtype)
+    factor = jnp.maximum(factor, scale_bounds()[0] / scale)
+    return ScaledArray(mul_data(x.data, 1 / factor), scale * factor)
 
 
 def single_binary_reducer(jaxpr: Jaxpr, consts: Sequence[Any]) -> Primitive | None:
@@ -615,6 +646,8 @@ __all__ = [
     "scaled_from_value",
     "scaled_power",
     "scaled_product",
+    "constant_raises_scale",
+    "lowered_to_largest_entry",
     "select",
     "single_binary_reducer",
     "sqrt_size_pow2",

@@ -30,17 +30,24 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import Pow2RoundMode, get_scalify_config
-from ..core.policy import mark_rescaled, rescale_self_product, rescales_in_backward_pass, was_rescaled
+from ..core.policy import (
+    active_policy,
+    mark_rescaled,
+    rescale_self_product,
+    rescales_in_backward_pass,
+    was_rescaled,
+)
 from ..core.pow2 import pow2_round_positive_or_one
 from ..core.registry import register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
     align_to_largest,
     as_scale,
+    constant_raises_scale,
     is_any_scale,
     is_numpy,
     largest_scale,
+    lowered_to_largest_entry,
     mul_data,
-    narrow_range,
     rescale,
     rescaled_and_narrowed,
     round_scale,
@@ -125,10 +132,9 @@ def _scaled_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, params: dict) -
 
 
 def _is_backward_sum_to_rescale(a: ScaledArray, b: ScaledArray) -> bool:
-    """A backward-pass sum of narrow data with two operands of their own run-time scales."""
+    """A backward-pass sum of two operands with their own run-time scales."""
     return (
-        narrow_range(a.dtype)
-        and a.scale is not b.scale
+        a.scale is not b.scale
         and not (is_any_scale(a) or is_any_scale(b))
         and not (is_numpy(a.scale) or is_numpy(b.scale))
         and rescales_in_backward_pass()
@@ -136,7 +142,7 @@ def _is_backward_sum_to_rescale(a: ScaledArray, b: ScaledArray) -> bool:
 
 
 def _backward_sum_in_float32(prim: Primitive, a: ScaledArray, b: ScaledArray, scale, params: dict) -> ScaledArray:
-    """``a + b`` in the backward pass: summed in float32, rescaled from its result, narrowed without overflow.
+    """``a + b`` in the backward pass: summed in float32 (or wider), rescaled from its result, narrowed without overflow.
 
     The static scale is about the larger operand scale, which is right when both operands
     have unit-sized data. In a backward pass an operand's data is often far below that: a
@@ -144,15 +150,17 @@ def _backward_sum_in_float32(prim: Primitive, a: ScaledArray, b: ScaledArray, sc
     by ``x``, ``3 * x ** 2`` and ``1 - tanh(...) ** 2``, 0 where tanh saturates, so that term
     carries the scale of ``x ** 3`` with data near 0); at that scale the other operand, which
     holds the value, is flushed in float16 (the GELU's input gradient was 0 for inputs of a
-    few thousand). Summed in float32 and narrowed with its own statistic, it keeps it.
+    few thousand), and the result's scale compounds block after block (in float32 too: a
+    12-block residual GELU MLP without normalisation, inputs of unit RMS, went NaN).
 
-    The float32 sum is taken at the smaller operand scale (at most ``2**60`` below the
-    static one, so float32 data cannot overflow), which a zero statistic keeps: an all-zero
-    cotangent (a zero-initialised output layer) no longer carries the ``x ** 3`` scale of
-    each GELU it goes through (``2**20`` per layer for inputs near ``2**10``, inf after ten).
+    The sum is taken at the smaller operand scale (at most ``2**60`` below the static one, so
+    float32 data cannot overflow), which a zero statistic keeps: an all-zero cotangent (a
+    zero-initialised output layer) no longer carries the ``x ** 3`` scale of each GELU it goes
+    through (``2**20`` per layer for inputs near ``2**10``, inf after ten), whose zero data
+    would later flush the first real gradient added to an optimizer moment of that scale.
     """
     work_scale = scale_max(scale_min(a.scale, b.scale), scale * np.float32(2.0**-60))
-    wide = [ScaledArray(x.data.astype(jnp.float32), x.scale) for x in (a, b)]
+    wide = [ScaledArray(widen(x.data), x.scale) for x in (a, b)]
     total = ScaledArray(_bind(prim, *(rescale(x, work_scale).data for x in wide), **params), work_scale)
     return rescaled_and_narrowed(total, a.dtype)
 
@@ -287,10 +295,23 @@ def scaled_clamp(lo: ScaledArray, x: ScaledArray, hi: ScaledArray, **params) -> 
 
 @register_scaled_lax_op
 def scaled_select_n(which: Array, *cases: ScaledArray, **params) -> ScaledArray:
-    """Cases aligned to the largest scale (any-scale cases adopt it); the predicate stays plain."""
+    """Cases aligned to the largest scale (any-scale cases adopt it); the predicate stays plain.
+
+    A constant case that fits its data dtype only at a scale above 1 raises the common scale
+    to that (exact: ``-1e9`` in ``where(mask, x, -1e9)`` with float16 data, float32's max in
+    ``jnp.nan_to_num``), which the selected values keep whether or not the constant is
+    selected: ``2**64`` for ``nan_to_num`` of float32 data, whose square overflowed the scale
+    (NaN) and whose float16 casts flushed (``optax.contrib.schedule_free`` interpolates the
+    parameters with such a factor). Under any policy but the static one the scale is then
+    lowered to the result's largest entry: where the constant is selected it stays (float32's
+    max and 1 keep their ``2**64`` compromise), elsewhere it follows the selected values.
+    """
     if isinstance(which, ScaledArray):  # a floating predicate is not valid LAX; keep the error there
         which = which.to_array()
-    return _scaled_aligned(P.select_n_p, [which, *cases], params)
+    out = _scaled_aligned(P.select_n_p, [which, *cases], params)
+    if constant_raises_scale(cases) and not active_policy().is_static:
+        out = lowered_to_largest_entry(out)
+    return out
 
 
 def _compare(prim: Primitive, a: ScaledArray, b: ScaledArray, params: dict) -> Array:

@@ -153,6 +153,22 @@ def test_nan_to_num_float32_reported_example():
     _check_finite_pow2_scale(out)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=lambda d: np.dtype(d).name)
+def test_nan_to_num_keeps_the_scale_of_its_input_under_the_default_policy(dtype):
+    """The never-selected replacement of ``-inf`` (the dtype's max) raised the result's scale
+    to ``2**64`` in float32: its square overflowed the scale (NaN where plain JAX gives
+    ``1.3e-5``). The select is rescaled by its largest entry; selected replacements keep
+    their value."""
+    x = jnp.asarray([0.0036, -1.5, 2.0], dtype)
+    square = jax.jit(jsa.scalify(lambda x: jnp.nan_to_num(x) ** 2))(jsa.as_scaled_array(x))
+    expected = np.asarray(x, np.float64) ** 2  # 1.3e-5 is subnormal in float16 data at scale 1
+    np.testing.assert_allclose(exact_value(square), expected, rtol=_rtol(dtype), atol=_rtol(dtype) * 2**-14)
+    assert float(square.scale) <= 16
+    with_infs = jnp.asarray([1.0, jnp.nan, jnp.inf, -jnp.inf, 3.0], dtype)
+    out = jax.jit(jsa.scalify(jnp.nan_to_num))(jsa.as_scaled_array(with_infs))
+    np.testing.assert_array_equal(exact_value(out), np.asarray(jnp.nan_to_num(with_infs), np.float64))
+
+
 def test_unscaled_equations_compute_what_jax_computes():
     """The exact value only serves promotion: a plain float16 input still gets JAX's 0."""
     x, y = _scaled(X, jnp.float16), jnp.asarray(X, jnp.float16)

@@ -218,6 +218,41 @@ def test_a_zero_cotangent_through_deep_gelu_layers_keeps_a_finite_scale():
         assert np.all(np.asarray(g.to_array(jnp.float32)) == 0) and np.isfinite(float(g.scale))
 
 
+def test_float32_adam_through_deep_gelu_layers_with_a_zero_initialised_head_is_invariant():
+    """A 12-block residual GELU MLP without normalisation, inputs of unit RMS, float32: the
+    head's zero cotangent took the ``x ** 3`` scale of every GELU (``2**76`` at the first
+    layer's gradient); Adam's first moment kept it, and at the next step the first real
+    gradient added to that moment was flushed (the update dropped), then NaN. Backward sums
+    in float32 are taken at the smaller operand scale and rescaled from their result too."""
+    optax = pytest.importorskip("optax")
+    rng = np.random.default_rng(2)
+    params = {f"w{i}": jnp.asarray(rng.standard_normal((32, 32)) / np.sqrt(32), jnp.float32) for i in range(12)}
+    params["head"] = jnp.zeros((32, 10), jnp.float32)
+    x, y = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32), jnp.arange(32) % 10
+
+    def loss(p, x, y):
+        h = jax.nn.relu(x @ p["w0"])
+        for i in range(1, 12):
+            h = h + jax.nn.gelu(h @ p[f"w{i}"])
+        return optax.softmax_cross_entropy_with_integer_labels(h @ p["head"], y).mean()
+
+    tx = optax.adam(1e-3)
+
+    def step(p, s, x, y):
+        value, grads = jax.value_and_grad(loss)(p, x, y)
+        updates, s = tx.update(grads, s, p)
+        return value, optax.apply_updates(p, updates), s
+
+    plain, scalified = jax.jit(step), jax.jit(jsa.scalify(step))
+    state, scaled_state = (params, tx.init(params)), jsa.as_scaled_array((params, tx.init(params)))
+    for _ in range(3):
+        expected = plain(*state, x, y)
+        got = scalified(*scaled_state, jsa.as_scaled_array(x), y)
+        for g, e in zip(jax.tree.leaves(jsa.asarray(got)), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-4 * np.abs(e).max())
+        state, scaled_state = expected[1:], got[1:]
+
+
 def test_gradient_boundary_is_the_values_leaving_the_backward_pass():
     closed = jax.make_jaxpr(sgd_step)(W, X)
     boundary = policy_module.gradient_boundary(closed.jaxpr)
@@ -238,17 +273,27 @@ def test_gradients_are_rescaled_once_in_one_batch_after_the_backward_pass(monkey
     )
     ws, x = scaled(W * 2.0**-8, 8), scaled(X * 2.0**8, -8)
 
-    def step(ws, x):
-        loss, (gw, gx) = jax.value_and_grad(mlp_loss, argnums=(0, 1))(ws, x)
-        return ws - 0.1 * gw, x - 0.1 * gx
+    def relu_loss(ws, x):  # no sum in its backward pass: every gradient comes out of a matmul
+        for w in ws:
+            x = jax.nn.relu(x @ w)
+        return jnp.sum(x**2)
 
-    new_ws, new_x = jsa.scalify(step, policy=jsa.RescalePolicy(loop_carries=False, outputs=False))(ws, x)
+    def step(ws, x):
+        loss, (gw, gx) = jax.value_and_grad(relu_loss, argnums=(0, 1))(ws, x)
+        return [w - 0.1 * g for w, g in zip(ws, gw)], x - 0.1 * gx
+
+    layers = [scaled(w * 2.0**-8, 8) for w in W]
+    jsa.scalify(step, policy=jsa.RescalePolicy(loop_carries=False, outputs=False))(layers, x)
     assert [sorted(b) for b in batches] == [
-        sorted([W.shape, X.shape])
-    ]  # both gradients, together, before the update uses them
+        sorted([W.shape[1:]] * 3 + [X.shape])
+    ]  # all gradients, together, before the update uses them
     batches.clear()
     _, grads, _ = jsa.scalify(sgd_step)(ws, x)
-    assert batches == [[W.shape], [(), W.shape]]  # the gradient; then the loss and new weights (grads not twice)
+    # The stacked weights' gradient is the last of the backward sums (each rescaled from its
+    # result), so it is not rescaled again after the backward pass; then the returned loss and
+    # new weights (the gradients not a second time).
+    assert batches[-2:] == [[W.shape], [(), W.shape]]
+    assert [(), W.shape] not in batches[:-1]
     assert 0.5 <= data_rms(grads) < 2.0
 
 
