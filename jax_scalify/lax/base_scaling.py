@@ -532,7 +532,11 @@ def rescaled_and_narrowed(wide: ScaledArray, dtype: Any) -> ScaledArray:
     at the end of the backward pass (where a raised scale's outlier would overflow anyway).
     """
     rescaled = rescale_by_policy(wide)
-    return mark_rescaled(narrowed_within_range(rescaled, dtype)) if narrow_range(dtype) else rescaled
+    if narrow_range(dtype):
+        return mark_rescaled(narrowed_within_range(rescaled, dtype))
+    if rescaled.dtype != dtype:  # bfloat16: float32's range, so nothing to guard
+        return mark_rescaled(ScaledArray(rescaled.data.astype(dtype), rescaled.scale))
+    return rescaled
 
 
 def narrowed_within_range(x: ScaledArray, dtype: Any) -> ScaledArray:

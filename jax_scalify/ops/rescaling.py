@@ -292,6 +292,7 @@ def _joined(stats: list[Array]) -> list[Array]:
 
 
 _F32_EXPONENT_MASK = 0x7F800000
+_F32_MANTISSA_BITS = np.int32(23)  # an int32 shift under jax_enable_x64 too (lax does not promote)
 _F32_BIAS = 127
 
 
@@ -306,12 +307,14 @@ def _exponent_path(stats: Array, scales: Array, mode: Pow2RoundMode) -> bool:
 
 def _biased_exponent(x: Array) -> Array:
     """The exponent field of float32 ``x`` (0 for zero and subnormals, 255 for inf and nan), as int32."""
-    return jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(x, jnp.int32) & _F32_EXPONENT_MASK, 23)
+    return jax.lax.shift_right_logical(
+        jax.lax.bitcast_convert_type(x, jnp.int32) & _F32_EXPONENT_MASK, _F32_MANTISSA_BITS
+    )
 
 
 def _from_biased_exponent(e: Array) -> Array:
     """``2**(e - 127)`` for int32 ``e`` in [1, 254]."""
-    return jax.lax.bitcast_convert_type(jax.lax.shift_left(e, 23), jnp.float32)
+    return jax.lax.bitcast_convert_type(jax.lax.shift_left(e, _F32_MANTISSA_BITS), jnp.float32)
 
 
 def _pow2_rescale_exponents(stats: Array, scales: Array, up: bool) -> tuple[Array, Array]:

@@ -253,6 +253,20 @@ def test_float32_adam_through_deep_gelu_layers_with_a_zero_initialised_head_is_i
         state, scaled_state = expected[1:], got[1:]
 
 
+def test_bfloat16_backward_sums_keep_their_dtype():
+    """A backward sum is taken in float32; bfloat16 has float32's range (nothing to guard when
+    narrowing) but its data must come back as bfloat16: the product rule of ``tanh(x * w) * x``
+    returned float32 data from ``add_any`` (an error on every bfloat16 step with a GELU, a
+    residual or a weight used twice)."""
+    f = lambda x, w: jnp.sum(jnp.tanh(x * w) * x)  # noqa: E731
+    x, w = np.linspace(0.1, 1.0, 8, dtype=np.float32), np.linspace(-1.0, 2.0, 8, dtype=np.float32)
+    scaled_inputs = jsa.tree.astype(jsa.as_scaled_array((jnp.asarray(x), jnp.asarray(w))), jnp.bfloat16)
+    got = jax.jit(jsa.scalify(jax.grad(f, argnums=(0, 1))))(*scaled_inputs)
+    for g, e in zip(got, jax.grad(f, argnums=(0, 1))(x, w)):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(g.to_array(jnp.float32)), e, rtol=3e-2, atol=1e-2)
+
+
 def test_gradient_boundary_is_the_values_leaving_the_backward_pass():
     closed = jax.make_jaxpr(sgd_step)(W, X)
     boundary = policy_module.gradient_boundary(closed.jaxpr)

@@ -260,3 +260,13 @@ def test_policy_statistic_of_the_extremes_of_float32_is_finite_and_moves_the_dat
     out = rescale_scaled_arrays([x], norm, 1024)[0]
     assert np.isfinite(float(out.scale)) and float(out.scale) != 1.0
     np.testing.assert_array_equal(np.asarray(out.data, np.float64) * float(out.scale), np.asarray(x.data))
+
+
+def test_dynamic_rescale_under_jax_enable_x64():
+    """The exponent arithmetic shifts int32 fields by an int32 count: with x64 a Python ``23``
+    became int64 and ``lax.shift_right_logical`` refused the mix (every policy rescale)."""
+    x = jsa.as_scaled_array(jnp.asarray([1.0, 3.0, -0.5, 6.0], jnp.float32))
+    with jax.enable_x64(True):
+        out = jax.jit(jsa.scalify(jsa.ops.dynamic_rescale_l2))(x)
+    np.testing.assert_array_equal(np.asarray(out.to_array()), np.asarray(x.to_array()))
+    assert float(out.scale) == 2.0
