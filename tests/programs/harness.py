@@ -33,7 +33,8 @@ from . import recipe
 State = Any
 Batch = tuple
 MAX_SCALE_EXPONENT = 8
-MODES = ("fp32", "fp16_scalify", "fp16_plain", "fp8_scalify")
+MODES = ("fp32", "fp16_scalify", "fp16_plain", "fp8_scalify", "bf16_scalify")
+RECIPE_DTYPES = {"fp16_scalify": jnp.float16, "fp8_scalify": jnp.float16, "bf16_scalify": jnp.bfloat16}
 
 REPO = Path(__file__).resolve().parents[2]
 # CI keeps shared data next to the repository; a git worktree sits one level further down.
@@ -111,9 +112,9 @@ def functional_call(compiled: Callable, state: tuple, batch: Batch) -> tuple[Any
 def _setup(program: Program, mode: str) -> tuple[optax.GradientTransformation, Callable]:
     """The optimizer and the compiled step of ``program`` in ``mode`` (compiled once per session)."""
     tx = program.make_optimizer()
-    scalified = mode in ("fp16_scalify", "fp8_scalify")
+    scalified = mode in RECIPE_DTYPES
     if scalified:
-        tx = recipe.optimizer(tx)
+        tx = recipe.optimizer(tx, RECIPE_DTYPES[mode])
     step = program.make_train_step(tx, mode == "fp8_scalify")
     return tx, (recipe.compile_step(step, program.jit) if scalified else program.jit(step))
 
@@ -203,7 +204,8 @@ def train(program: Program, mode: str, steps: int, seed: int = 0) -> np.ndarray:
     - ``fp32``: the program as written;
     - ``fp16_scalify``: the recipe (:mod:`tests.programs.recipe`) in float16;
     - ``fp16_plain``: the code of ``fp32``, on float16 state and inputs (no scalify);
-    - ``fp8_scalify``: as ``fp16_scalify``, the dense layers taking the FP8 recipe.
+    - ``fp8_scalify``: as ``fp16_scalify``, the dense layers taking the FP8 recipe;
+    - ``bf16_scalify``: the recipe in bfloat16 (state, moments and inputs).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -214,8 +216,8 @@ def train(program: Program, mode: str, steps: int, seed: int = 0) -> np.ndarray:
         prepare = functools.partial(_cast_floating, dtype=jnp.float16)
         state = prepare(state)
     elif mode != "fp32":
-        prepare = recipe.scale_batch
-        state = recipe.scale_state(state)
+        prepare = functools.partial(recipe.scale_batch, dtype=RECIPE_DTYPES[mode])
+        state = recipe.scale_state(state, RECIPE_DTYPES[mode])
     losses = []
     for batch in program.batches(seed, steps):
         loss, state = program.call(step, state, prepare(_as_jax(batch)))

@@ -127,6 +127,24 @@ def test_fp16_short(program: Program, record_property):
     check_fp16(program, program.fp16_steps, record_property)
 
 
+# bfloat16: float32's exponent range, so what the recipe adds is the scale propagation's
+# exactness; the plain-JAX MLP in the default run, every program in the slow one.
+DEFAULT_BF16 = ("mlp_jax",)
+
+
+@pytest.mark.parametrize(
+    "program",
+    [p if p.name in DEFAULT_BF16 else pytest.param(p, marks=pytest.mark.slow) for p in PROGRAMS],
+    ids=lambda p: p.name,
+)
+def test_bf16_short(program: Program, record_property):
+    fp32, bf16 = (final_loss(losses(program, mode, program.fp16_steps)) for mode in ("fp32", "bf16_scalify"))
+    record_property("final_loss_bf16_scalify", bf16)
+    print(f"\n{program.name}, {program.fp16_steps} steps: fp32 {fp32:.4f}, bf16_scalify {bf16:.4f}")
+    excess = relative_excess(bf16, fp32)
+    assert excess <= FP16_TOLERANCE, f"{program.name}: scalified bfloat16 ends {excess:.1%} above FP32's {fp32:.4f}"
+
+
 @pytest.mark.slow
 @by_name(DENSE_PROGRAMS)
 def test_fp8_short(program: Program, record_property):
