@@ -37,9 +37,12 @@ def optimizer(tx: optax.GradientTransformation, dtype=FP16) -> optax.GradientTra
     """The optimizer as the scaled runs use it: its state stored in ``dtype`` with scales.
 
     ``jsa.optim.scale_state`` keeps ``tx`` and its hyperparameters unchanged; its ``init``
-    returns ``ScaledArray`` leaves, which :func:`scale_state` leaves alone.
+    returns ``ScaledArray`` leaves, which :func:`scale_state` leaves alone. A second moment
+    ``nu`` is kept in float16 when ``dtype`` has fewer mantissa bits (bfloat16: its EMA would
+    stall, as ``scale_state`` warns).
     """
-    return jsa.optim.scale_state(tx, dtype)
+    fields = {"nu": FP16} if jnp.finfo(dtype).nmant < jnp.finfo(FP16).nmant else None
+    return jsa.optim.scale_state(tx, dtype, field_dtypes=fields)
 
 
 def scale_state(state: Any, dtype=FP16) -> Any:
