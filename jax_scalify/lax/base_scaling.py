@@ -650,8 +650,6 @@ __all__ = [
     "scaled_from_value",
     "scaled_power",
     "scaled_product",
-    "constant_raises_scale",
-    "lowered_to_largest_entry",
     "select",
     "single_binary_reducer",
     "sqrt_size_pow2",
