@@ -320,16 +320,18 @@ def _fitting_scale(x: ScaledArray) -> np.ndarray:
     return as_scale(np.minimum(own, np.maximum(need, scale_bounds()[0])))
 
 
-def constant_raises_scale(operands: Sequence[ScaledArray]) -> bool:
-    """True if a trace-time constant among traced operands fits its data dtype only at a scale above 1.
+def constant_raises_scale(operands: Sequence[ScaledArray], above: float = 2.0**8) -> bool:
+    """True if a trace-time constant among traced operands fits its data dtype only at a scale above ``above``.
 
     Aligned with them (:func:`largest_scale`), such a constant (float32's max in
-    ``jnp.nan_to_num``, ``-1e9`` with float16 data) sets the common scale whatever the traced
-    operands' values.
+    ``jnp.nan_to_num``: ``2**64``; ``-1e9`` with float16 data: ``2**15``) sets the common scale
+    whatever the traced operands' values. Below ``2**8`` (a float16 mask at
+    ``jnp.finfo(jnp.float16).min``, as Flax's attention writes it, fits at 2) the selected
+    values only lose a few bits of their exponent range.
     """
     constants = [x for x in operands if _is_trace_time_constant(x)]
     traced = len(constants) < len([x for x in operands if not is_any_scale(x)])
-    return traced and any(np.ndim(x.scale) == 0 and _fitting_scale(x) > 1 for x in constants)
+    return traced and any(np.ndim(x.scale) == 0 and _fitting_scale(x) > above for x in constants)
 
 
 def largest_scale(operands: Sequence[ScaledArray]) -> Array:

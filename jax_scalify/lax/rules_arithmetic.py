@@ -297,7 +297,7 @@ def scaled_clamp(lo: ScaledArray, x: ScaledArray, hi: ScaledArray, **params) -> 
 def scaled_select_n(which: Array, *cases: ScaledArray, **params) -> ScaledArray:
     """Cases aligned to the largest scale (any-scale cases adopt it); the predicate stays plain.
 
-    A constant case that fits its data dtype only at a scale above 1 raises the common scale
+    A constant case that fits its data dtype only at a scale above ``2**8`` raises the common scale
     to that (exact: ``-1e9`` in ``where(mask, x, -1e9)`` with float16 data, float32's max in
     ``jnp.nan_to_num``), which the selected values keep whether or not the constant is
     selected: ``2**64`` for ``nan_to_num`` of float32 data, whose square overflowed the scale

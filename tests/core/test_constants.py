@@ -169,6 +169,21 @@ def test_nan_to_num_keeps_the_scale_of_its_input_under_the_default_policy(dtype)
     np.testing.assert_array_equal(exact_value(out), np.asarray(jnp.nan_to_num(with_infs), np.float64))
 
 
+def test_a_float16_mask_at_the_dtypes_min_costs_no_reduction():
+    """``jnp.finfo(jnp.float16).min`` fits float16 data at scale 2 (Flax's attention masks):
+    the select stays static; ``-1e9`` needs ``2**15`` and has its scale lowered to its
+    largest entry (one reduction)."""
+    mask = jnp.tril(jnp.ones((4, 4), bool))
+    x = jsa.tree.astype(jsa.as_scaled_array(jnp.ones((4, 4))), jnp.float16)
+
+    def reductions(fill):
+        jaxpr = jax.make_jaxpr(jsa.scalify(lambda x: jnp.where(mask, x, fill)))(x)
+        return str(jaxpr).count("reduce_max")
+
+    assert reductions(float(jnp.finfo(jnp.float16).min)) == 0
+    assert reductions(-1e9) == 1
+
+
 def test_unscaled_equations_compute_what_jax_computes():
     """The exact value only serves promotion: a plain float16 input still gets JAX's 0."""
     x, y = _scaled(X, jnp.float16), jnp.asarray(X, jnp.float16)
