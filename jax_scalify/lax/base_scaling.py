@@ -533,12 +533,23 @@ def rescaled_and_narrowed(wide: ScaledArray, dtype: Any) -> ScaledArray:
     The result counts as rescaled by the policy: a gradient it returns is not rescaled again
     at the end of the backward pass (where a raised scale's outlier would overflow anyway).
     """
-    rescaled = rescale_by_policy(wide)
+    out = rescale_by_policy(wide)
     if narrow_range(dtype):
-        return mark_rescaled(narrowed_within_range(rescaled, dtype))
-    if rescaled.dtype != dtype:  # bfloat16: float32's range, so nothing to guard
-        return mark_rescaled(ScaledArray(rescaled.data.astype(dtype), rescaled.scale))
-    return rescaled
+        out = narrowed_within_range(out, dtype)
+    elif out.dtype != dtype:  # bfloat16: float32's range, so nothing to guard
+        out = ScaledArray(out.data.astype(dtype), out.scale)
+    return mark_rescaled(out)
+
+
+def _largest_magnitude(data: Array) -> Array:
+    return jnp.max(jnp.abs(data)).astype(np.float32)
+
+
+def _scale_moved_by(x: ScaledArray, factor: Array, dtype: Any) -> ScaledArray:
+    """``x`` with its scale multiplied by the power of two ``factor`` and its data divided by it, cast to ``dtype``."""
+    scale = as_scale(x.scale)
+    factor = factor.astype(scale.dtype)
+    return ScaledArray(mul_data(x.data, 1 / factor).astype(dtype), scale * factor)
 
 
 def narrowed_within_range(x: ScaledArray, dtype: Any) -> ScaledArray:
@@ -552,10 +563,9 @@ def narrowed_within_range(x: ScaledArray, dtype: Any) -> ScaledArray:
     if np.size(x.data) == 0:
         return ScaledArray(x.data.astype(dtype), x.scale)
     limit = np.float32(2.0 ** (jnp.finfo(dtype).maxexp - 2))
-    peak = jnp.max(jnp.abs(x.data)).astype(np.float32)
+    peak = _largest_magnitude(x.data)
     factor = jnp.where(jnp.isfinite(peak) & (peak > limit), pow2_round_up(peak / limit), np.float32(1))
-    scale = as_scale(x.scale)
-    return ScaledArray((x.data / factor.astype(x.data.dtype)).astype(dtype), scale * factor.astype(scale.dtype))
+    return _scale_moved_by(x, factor, dtype)
 
 
 def lowered_to_largest_entry(x: ScaledArray) -> ScaledArray:
@@ -564,12 +574,11 @@ def lowered_to_largest_entry(x: ScaledArray) -> ScaledArray:
     One reduction of the whole tensor. All-zero or non-finite data keep their scale; the
     scale stays a normal number.
     """
-    peak = jnp.max(jnp.abs(x.data)).astype(np.float32)
+    peak = _largest_magnitude(x.data)
     below_one = jnp.isfinite(peak) & (peak > 0) & (peak < 1)
-    scale = as_scale(x.scale)
-    factor = jnp.where(below_one, pow2_round_down(peak), np.float32(1)).astype(scale.dtype)
-    factor = jnp.maximum(factor, scale_bounds()[0] / scale)
-    return ScaledArray(mul_data(x.data, 1 / factor), scale * factor)
+    factor = jnp.where(below_one, pow2_round_down(peak), np.float32(1))
+    factor = jnp.maximum(factor, scale_bounds()[0] / as_scale(x.scale))
+    return _scale_moved_by(x, factor, x.dtype)
 
 
 def single_binary_reducer(jaxpr: Jaxpr, consts: Sequence[Any]) -> Primitive | None:
