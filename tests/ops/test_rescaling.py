@@ -270,3 +270,38 @@ def test_dynamic_rescale_under_jax_enable_x64():
         out = jax.jit(jsa.scalify(jsa.ops.dynamic_rescale_l2))(x)
     np.testing.assert_array_equal(np.asarray(out.to_array()), np.asarray(x.to_array()))
     assert float(out.scale) == 2.0
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("mode", [jsa.Pow2RoundMode.DOWN, jsa.Pow2RoundMode.UP])
+@pytest.mark.parametrize("k", [-59, -3, 0, 1, 7, 49])
+def test_policy_factor_is_the_rms_rounded_to_a_power_of_two_exactly(k, mode, jit):
+    """Just below, at and just above ``2**k`` (squares and means exact in float32)."""
+    rescale = lambda x: rescale_scaled_arrays([x], "l2", 1024, rounding_mode=mode)[0]
+    rescale = jax.jit(rescale) if jit else rescale
+    for mantissa, below, above in [(1 - 2.0**-10, k - 1, k), (1.0, k, k), (1 + 2.0**-10, k, k + 1)]:
+        value = np.float32(mantissa * 2.0**k)
+        out = rescale(jsa.ScaledArray(jnp.full((64, 48), value), jnp.float32(2.0)))
+        expected = below if mode == jsa.Pow2RoundMode.DOWN else above
+        assert float(out.scale) == 2.0 ** (expected + 1), (mantissa, float(out.scale))
+        np.testing.assert_array_equal(np.asarray(out.data, np.float64) * float(out.scale), 2.0 * value)
+
+
+@pytest.mark.parametrize("scale", [2.0**120, 2.0**-120])
+def test_policy_rescale_keeps_the_new_scale_a_normal_float32(scale):
+    """The factor is cut where the scale would leave float32's normal range; the value is kept."""
+    data = jnp.full((16, 16), 2.0**20 if scale > 1 else 2.0**-20, jnp.float32)
+    out = rescale_scaled_arrays([jsa.ScaledArray(data, jnp.float32(scale))], "l2", 1024)[0]
+    assert float(out.scale) == (2.0**127 if scale > 1 else 2.0**-126)
+    np.testing.assert_array_equal(
+        np.asarray(out.data, np.float64) * float(out.scale), np.asarray(data, np.float64) * scale
+    )
+
+
+@pytest.mark.parametrize("scale", [0.0, 2.0**-140, np.inf])
+def test_policy_rescale_leaves_a_zero_subnormal_or_infinite_scale(scale):
+    data = jnp.full((8, 8), 4.0, jnp.float32)
+    # A traced scale: a concrete infinite one is refused when the ScaledArray is built.
+    out = jax.jit(lambda d, s: rescale_scaled_arrays([jsa.ScaledArray(d, s)], "l2", 1024)[0])(data, jnp.float32(scale))
+    assert float(out.scale) == np.float32(scale)
+    np.testing.assert_array_equal(np.asarray(out.data), np.asarray(data))
