@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -195,7 +196,12 @@ def recover(narrow: ClosedJaxpr, trace_widened: Callable[[], ClosedJaxpr]) -> Ex
     """
     found = ExactConstants()
     try:
-        wide = trace_widened()
+        # Warnings of this trace concern the float32 stand-ins, not the user's program (e.g.
+        # JAX's FutureWarning on a float32 update scattered into a float16 array): the
+        # user's own trace has already given the program's warnings.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            wide = trace_widened()
     except Exception:  # the function does not trace on float32 inputs: keep today's behaviour
         return found
     _pair_jaxprs(narrow.jaxpr, narrow.consts, wide.jaxpr, wide.consts, found)

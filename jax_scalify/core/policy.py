@@ -151,7 +151,7 @@ _state = _PolicyState()
 @contextlib.contextmanager
 def applying(policy: RescalePolicy) -> Iterator[None]:
     """The policy the interpreter and the control-flow rules apply while ``scalify`` evaluates."""
-    _state.stack.append((policy, {}))
+    _state.stack.append((policy, {}, {}))
     try:
         yield
     finally:
@@ -188,6 +188,23 @@ def mark_rescaled(x: Any) -> Any:
     if isinstance(x, ScaledArray):
         _rescaled_by_policy()[id(x)] = x  # kept alive, so the id is not reused
     return x
+
+
+def mark_sparse(x: Any) -> Any:
+    """Record that ``x``'s data may sit in a few entries (a scatter into zeros: the gradient of a lookup).
+
+    A strided sample of such data can hold only the small rows; the policy's rescale of
+    narrow (float16/FP8) data marked sparse also bounds its largest entry (one reduction of
+    the tensor), so the rows the sample missed cannot overflow. Returns ``x``.
+    """
+    if isinstance(x, ScaledArray) and _state.stack:
+        _state.stack[-1][2][id(x)] = x  # kept alive, so the id is not reused
+    return x
+
+
+def is_sparse(x: Any) -> bool:
+    """True if ``x`` was marked by :func:`mark_sparse` in the current ``scalify`` evaluation."""
+    return bool(_state.stack) and _state.stack[-1][2].get(id(x)) is x
 
 
 def rescale(x: Any, policy: RescalePolicy | None = None) -> Any:
@@ -346,11 +363,13 @@ __all__ = [
     "in_backward_pass",
     "is_backward_equation",
     "is_rescalable",
+    "is_sparse",
     "rescale",
     "rescale_all",
     "rescale_loop_carries",
     "rescale_self_product",
     "mark_rescaled",
+    "mark_sparse",
     "recording_operand_rescales",
     "rescale_operand",
     "rescales_in_backward_pass",

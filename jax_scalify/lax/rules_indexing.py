@@ -25,6 +25,8 @@ from jax.extend.core import Primitive
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
+from ..core.policy import mark_sparse
+from ..core.promotion import is_any_scale
 from ..core.registry import primitive_of, register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
     align_to_largest,
@@ -60,8 +62,10 @@ def _bind_scatter_aligned(
     prim: Primitive, operand: ScaledArray, indices: Array, updates: ScaledArray, **params
 ) -> ScaledArray:
     """A scatter-like primitive bound on operand and updates aligned to their largest scale."""
+    into_zeros = is_any_scale(operand)
     (operand, updates), scale = align_to_largest([with_scalar_scale(operand), with_scalar_scale(updates)])
-    return ScaledArray(prim.bind(operand.data, indices, updates.data, **params), scale)
+    out = ScaledArray(prim.bind(operand.data, indices, updates.data, **params), scale)
+    return mark_sparse(out) if into_zeros else out
 
 
 # `dynamic_slice` clamps its indices, so it maps a broadcast scalar to the same scalar. `gather`

@@ -44,10 +44,10 @@ from jax.interpreters import ad, batching, mlir
 from ..core.array import ScaledArray, is_floating_dtype, is_scaled_leaf
 from ..core.config import Pow2RoundMode, ScalifyConfig, get_scalify_config
 from ..core.interpreter import scalify
-from ..core.policy import STATIC_POLICY, active_policy, is_rescalable, mark_rescaled, was_rescaled
-from ..core.pow2 import pow2_round, pow2_round_down
+from ..core.policy import STATIC_POLICY, active_policy, is_rescalable, is_sparse, mark_rescaled, was_rescaled
+from ..core.pow2 import pow2_round, pow2_round_down, pow2_round_up
 from ..core.registry import ScaledPrimitiveType, register_scaled_op
-from ..lax.base_scaling import as_scale, mul_data
+from ..lax.base_scaling import as_scale, mul_data, narrow_range
 from ..lax.primitives import scaled_rebalance
 
 Array = Any
@@ -269,11 +269,14 @@ def rescale_scaled_arrays(
     if len(xs) < 2 and sample_size is None and min_scale is None and rounding_mode is None and not callable(norm):
         return [_rescale_whole(xs[0], norm)]
     samples = [strided_sample(jax.lax.stop_gradient(x.data), sample_size) for x in xs]
+    peaks = [_relative_peak(x) if sample_size is not None else None for x in xs]
     work = np.float64 if any(np.dtype(d.dtype) == np.float64 for d in samples) else np.float32
     if _rms_path(xs, norm, sample_size, min_scale, mode, work):
-        factors = _joined([_pow2_rms(d, up=mode == Pow2RoundMode.UP) for d in samples])
+        up = mode == Pow2RoundMode.UP
+        factors = _joined([_pow2_rms(d, up, peak) for d, peak in zip(samples, peaks)])
         return [_moved_by(x, factor) for x, factor in zip(xs, factors)]
-    stats = _joined(_batch_statistics(samples, norm, work, one_pass=sample_size is not None))
+    stats = _batch_statistics(samples, norm, work, one_pass=sample_size is not None)
+    stats = _joined([stat if peak is None else _at_least_peak(stat, peak) for stat, peak in zip(stats, peaks)])
     outs = []
     for stat, x in zip(stats, xs):
         scale = jnp.asarray(as_scale(x.scale))
@@ -365,7 +368,33 @@ def _rms_path(xs, norm, sample_size, min_scale, mode, work) -> bool:
 _F32_TINY = np.float32(2.0**-126)
 
 
-def _pow2_rms(sample: Array, up: bool) -> Array:
+def _relative_peak(x: ScaledArray) -> Array | None:
+    """For sparse float16/FP8 data: the largest magnitude of the whole tensor over the largest the rescaled data may reach.
+
+    A sample can miss the few entries that carry a tensor (the rows of an embedding table
+    that a batch touched: a 4096-row float16 gradient with two non-zero rows, one in the
+    sample, was moved to the sampled row's size and the other row became inf). For data
+    produced by a scatter into zeros (:func:`jax_scalify.core.policy.mark_sparse`), rescaled
+    narrow data keep their largest entry at most half the dtype's largest power of two
+    (``2**14`` for float16), at the cost of one reduction of the tensor. Dense data (every
+    other value; guarding all of them cost the float16 MLP of ``benchmarks/overhead.py`` 40%
+    of its run time on XLA:CPU) and wide data (float32, bfloat16: the range to hold any
+    sampling miss) give ``None``.
+    """
+    if not (is_sparse(x) and narrow_range(x.dtype)) or np.size(x.data) == 0:
+        return None
+    limit = 2.0 ** (jnp.finfo(x.dtype).maxexp - 2)
+    peak = jnp.max(jnp.abs(jax.lax.stop_gradient(x.data))).astype(np.float32)
+    return peak * np.float32(1 / limit)
+
+
+def _at_least_peak(stat: Array, peak: Array) -> Array:
+    """``max(stat, peak)`` where the statistic moves the data (positive and finite), else ``stat`` (the scale is kept)."""
+    usable = (stat > 0) & jnp.isfinite(stat) & jnp.isfinite(peak)
+    return jnp.where(usable, jnp.maximum(stat, peak.astype(stat.dtype)), stat)
+
+
+def _pow2_rms(sample: Array, up: bool, peak: Array | None = None) -> Array:
     """The root mean square of ``sample`` rounded to a power of two, as one kernel; 1 where it is 0 or not finite.
 
     The mean of the clamped squares (:func:`_one_pass_statistic`) is rounded to a power of
@@ -375,7 +404,8 @@ def _pow2_rms(sample: Array, up: bool) -> Array:
     the reduction, instead of copying the rounding into every kernel that reads the factor
     (as it does with cheap scalar operations). A mean below ``2**-126`` is taken as
     ``2**-126`` (an RMS below ``2**-63`` moves the data towards unit size without reaching
-    it), so ``k`` is in ``[-63, 64]``.
+    it), so ``k`` is in ``[-63, 64]``. With a ``peak`` (:func:`_relative_peak`), the factor
+    is at least ``peak`` rounded up to a power of two.
     """
     lax = jax.lax
     mean = _one_pass_mean(sample.astype(np.float32), "l2")
@@ -387,6 +417,10 @@ def _pow2_rms(sample: Array, up: bool) -> Array:
         exponent = lax.add(exponent, np.int32(1))
     half = lax.shift_right_arithmetic(exponent, np.int32(1))  # floor(e / 2); ceil(e / 2) with the + 1 above
     even_power = _from_biased_exponent(lax.add(lax.add(half, half), np.int32(_F32_BIAS)))
+    if peak is not None:  # a narrow dtype's peak ratio is below 4: its square is a normal float32
+        bound = pow2_round_up(peak)
+        bound = lax.select(lax.lt(peak, np.float32(np.inf)), lax.mul(bound, bound), np.float32(0))
+        even_power = lax.max(even_power, bound)
     return lax.sqrt(lax.select(usable, even_power, np.float32(1)))
 
 

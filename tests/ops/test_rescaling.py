@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jax_scalify as jsa
@@ -305,3 +306,36 @@ def test_policy_rescale_leaves_a_zero_subnormal_or_infinite_scale(scale):
     out = jax.jit(lambda d, s: rescale_scaled_arrays([jsa.ScaledArray(d, s)], "l2", 1024)[0])(data, jnp.float32(scale))
     assert float(out.scale) == np.float32(scale)
     np.testing.assert_array_equal(np.asarray(out.data), np.asarray(data))
+
+
+def test_policy_rescale_of_a_float16_scatter_into_zeros_keeps_entries_the_sample_misses_finite():
+    """Only rows 0 and 5 are non-zero; the sample of the returned value holds row 0 (1e-4) and misses row 5 (1)."""
+    rows = jsa.tree.astype(jsa.as_scaled_array(jnp.asarray([[1e-4] * 32, [1.0] * 32])), jnp.float16)
+    scatter = lambda rows: jnp.zeros((4096, 32), jnp.float16).at[jnp.array([0, 5])].add(rows)
+    out = jax.jit(jsa.scalify(scatter))(rows)
+    assert np.isfinite(np.asarray(out.data)).all()
+    assert np.max(np.abs(np.asarray(out.data, np.float32))) <= 2.0**14
+    np.testing.assert_allclose(np.asarray(out.to_array(jnp.float32)), scatter(rows.to_array(jnp.float16)), rtol=1e-3)
+
+
+def test_sparse_embedding_gradient_in_float16_follows_float32():
+    """An embedding lookup's gradient touches two of 4096 rows, weighted 1e-4 and 1: with float16
+    data the row that the statistic's sample missed was inf, and an Adagrad step made it NaN."""
+    table = jax.random.normal(jax.random.PRNGKey(0), (4096, 32)) * 0.1
+    ids, weights = jnp.array([0, 5]), jnp.array([1e-4, 1.0])
+    loss = lambda table, weights: jnp.sum(weights[:, None] * table[ids])
+    tx = jsa.optim.scale_state(optax.adagrad(0.1), jnp.float16)
+
+    def step(table, state, weights):
+        grads = jax.grad(loss)(table, weights)
+        updates, state = tx.update(grads, state, table)
+        return optax.apply_updates(table, updates), state
+
+    scaled_table = jsa.tree.astype(jsa.as_scaled_array(table), jnp.float16)
+    scaled_weights = jsa.tree.astype(jsa.as_scaled_array(weights), jnp.float16)
+    new_table, _ = jax.jit(jsa.scalify(step))(scaled_table, tx.init(scaled_table), scaled_weights)
+    plain_tx = optax.adagrad(0.1)
+    grads = jax.grad(loss)(table, weights)
+    updates, _ = plain_tx.update(grads, plain_tx.init(table), table)
+    expected = optax.apply_updates(table, updates)
+    np.testing.assert_allclose(np.asarray(new_table.to_array(jnp.float32)), np.asarray(expected), atol=2e-3)
