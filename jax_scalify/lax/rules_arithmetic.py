@@ -33,6 +33,7 @@ from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.policy import (
     active_policy,
     mark_rescaled,
+    rescale_operand,
     rescale_self_product,
     rescales_in_backward_pass,
     was_rescaled,
@@ -48,6 +49,7 @@ from .base_scaling import (
     largest_scale,
     lowered_to_largest_entry,
     mul_data,
+    narrow_range,
     rescale,
     rescaled_and_narrowed,
     round_scale,
@@ -222,8 +224,15 @@ def scaled_mul(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     A broadcast scalar constant was promoted to a mantissa in [1, 2) and a power-of-two
     scale, so its exponent folds into the output scale. Operands that share one scale
     (``x * x``, slices of one array) square their data's departure from unit size: the
-    rescale policy's ``self_products`` rescales that product from its data.
+    rescale policy's ``self_products`` rescales that product from its data. A square
+    ``x * x`` of float16/FP8 data is rescaled before the product instead (and the equations
+    after it read ``x`` rescaled), since the product itself may already overflow: float16
+    data of RMS 13 with entries above 256, left by a quotient in ``jax.experimental.ode``'s
+    step-size estimate, squared to inf inside a norm whose value was 1e-7.
     """
+    if a is b and narrow_range(a.dtype) and active_policy().self_products:
+        a = b = rescale_operand(a)
+        return scaled_product(_bind(P.mul_p, a, b, **params), a.scale, b.scale)
     return rescale_self_product(scaled_product(_bind(P.mul_p, a, b, **params), a.scale, b.scale), a, b)
 
 

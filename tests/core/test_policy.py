@@ -414,3 +414,17 @@ def test_a_plain_cotangent_entering_the_backward_pass_is_promoted_with_its_stati
 
     assert -2 < weight_gradient_data(jsa.RescalePolicy()) < 2
     assert weight_gradient_data(STATIC) < -8
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_square_x_times_x_of_float16_data_far_from_unit_size_is_finite(jit):
+    """Float16 data of about 300 (values 300 * 2**-20, as a quotient left them in odeint's step
+    size estimate): the data product overflowed before the product was rescaled, and the sum of
+    squares was inf where plain float32 gives 5.4e-6."""
+    values = np.linspace(200.0, 400.0, 60, dtype=np.float32)
+    x = jsa.ScaledArray(jnp.asarray(values, jnp.float16), jnp.float32(2.0**-20))
+    sum_of_squares = lambda x: jnp.sum(x * x)
+    fn = jsa.scalify(sum_of_squares)
+    out = (jax.jit(fn) if jit else fn)(x)
+    expected = np.sum(np.square(values.astype(np.float64) * 2.0**-20))
+    np.testing.assert_allclose(float(out), expected, rtol=2e-3)
