@@ -339,3 +339,28 @@ def test_sparse_embedding_gradient_in_float16_follows_float32():
     updates, _ = plain_tx.update(grads, plain_tx.init(table), table)
     expected = optax.apply_updates(table, updates)
     np.testing.assert_allclose(np.asarray(new_table.to_array(jnp.float32)), np.asarray(expected), atol=2e-3)
+
+
+def _row_sparse_bias_and_update():
+    """A zero-initialised bias that a lookup trains: a few rows non-zero, and an update whose
+    only sampled row is 10^4 times smaller than the others (from a matrix factorisation run)."""
+    bias = np.zeros(4096, np.float32)
+    bias[[21, 46, 607, 609]] = [0.01, -0.02, 0.0717, 0.03]
+    update = np.zeros(4096, np.float16)
+    update[[0, 46, 607, 900, 1234]] = [2.0, -5000.0, 9088.0, 17968.0, 12000.0]
+    return bias, jsa.ScaledArray(jnp.asarray(update), jnp.float32(2.0**-20))
+
+
+@pytest.mark.parametrize("route", ["float32 data", "sample_size=None"])
+def test_a_row_sparse_bias_stays_finite_by_the_readme_routes(route):
+    """The README's routes for such parameters: float32 data, or a policy reading every tensor."""
+    bias, update = _row_sparse_bias_and_update()
+    if route == "float32 data":
+        params, step = jsa.as_scaled_array(jnp.asarray(bias)), jsa.scalify(optax.apply_updates)
+    else:
+        params = jsa.tree.astype(jsa.as_scaled_array(jnp.asarray(bias)), jnp.float16)
+        step = jsa.scalify(optax.apply_updates, policy=jsa.RescalePolicy(sample_size=None))
+    out = np.asarray(jax.jit(step)(params, update).to_array(jnp.float32))
+    expected = np.asarray(params.to_array(jnp.float32)) + np.asarray(update.to_array(jnp.float32))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expected, rtol=1e-3, atol=1e-9)
