@@ -160,7 +160,7 @@ def _scalified_call(trace_cache, policy: RescalePolicy, fun, args, kwargs):
         outs = eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, dynamic_leaves)
         if policy.outputs:
             fresh = [i for i, x in enumerate(outs) if not rescale_policy.was_rescaled(x)]
-            for i, x in zip(fresh, rescale_policy.rescale_all([outs[i] for i in fresh])):
+            for i, x in zip(fresh, rescale_policy.rescale_all([outs[i] for i in fresh], returned=True)):
                 outs[i] = x
     return _rebuild_outputs(out_tree, static_outs, outs)
 

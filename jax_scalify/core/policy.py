@@ -73,7 +73,8 @@ class RescalePolicy:
             handed to the next step), together. Outputs already rescaled are not rescaled
             twice: as gradients, by ``jsa.ops.dynamic_rescale`` with the policy's
             statistic (``jsa.optim.scale_state``'s stored state), or a float cast of
-            either.
+            either. The data of a float16/FP8 output whose sample is mostly zeros (a
+            parameter that only lookups update) are moved down by the statistic, never up.
         self_products: rescale the product of two operands that share one scale object
             (``x * x``; slices of one array multiplied together, as in the combine of
             ``jax.lax.associative_scan`` or ``jnp.cumprod`` written as a parallel scan), and
@@ -254,10 +255,11 @@ def recording_operand_rescales() -> Iterator[dict[int, tuple[Any, Any]]]:
         _state.operand_rescales.pop()
 
 
-def rescale_all(values: Sequence[Any], policy: RescalePolicy | None = None) -> list:
+def rescale_all(values: Sequence[Any], policy: RescalePolicy | None = None, *, returned: bool = False) -> list:
     """``values`` with the rescalable ones rescaled together (one batch of statistics), others unchanged.
 
-    See :func:`jax_scalify.ops.rescaling.rescale_scaled_arrays`.
+    ``returned``: the values ``scalify`` returns; the data of a narrow one whose sample is
+    mostly zeros is not moved up (see :func:`jax_scalify.ops.rescaling.rescale_scaled_arrays`).
     """
     values = list(values)
     where = [i for i, x in enumerate(values) if is_rescalable(x)]
@@ -266,7 +268,7 @@ def rescale_all(values: Sequence[Any], policy: RescalePolicy | None = None) -> l
     from ..ops.rescaling import rescale_scaled_arrays
 
     policy = policy or active_policy()
-    outs = rescale_scaled_arrays([values[i] for i in where], policy.norm, policy.sample_size)
+    outs = rescale_scaled_arrays([values[i] for i in where], policy.norm, policy.sample_size, sparse_stay_down=returned)
     for i, out in zip(where, outs):
         values[i] = mark_rescaled(out)
     return values

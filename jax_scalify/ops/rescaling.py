@@ -248,6 +248,7 @@ def rescale_scaled_arrays(
     *,
     rounding_mode: Pow2RoundMode | None = None,
     min_scale: float | None = None,
+    sparse_stay_down: bool = False,
 ) -> list[ScaledArray]:
     """:func:`rescale_scaled_array` of several ``ScaledArray`` at once, their statistics computed together.
 
@@ -270,13 +271,17 @@ def rescale_scaled_arrays(
         return [_rescale_whole(xs[0], norm)]
     samples = [strided_sample(jax.lax.stop_gradient(x.data), sample_size) for x in xs]
     peaks = [_relative_peak(x) if sample_size is not None else None for x in xs]
+    floors = [
+        _sparse_floor(x, d) if sparse_stay_down and sample_size is not None else None for x, d in zip(xs, samples)
+    ]
     work = np.float64 if any(np.dtype(d.dtype) == np.float64 for d in samples) else np.float32
     if _rms_path(xs, norm, sample_size, min_scale, mode, work):
         up = mode == Pow2RoundMode.UP
-        factors = _joined([_pow2_rms(d, up, peak) for d, peak in zip(samples, peaks)])
+        factors = _joined([_pow2_rms(d, up, peak, floor) for d, peak, floor in zip(samples, peaks, floors)])
         return [_moved_by(x, factor) for x, factor in zip(xs, factors)]
     stats = _batch_statistics(samples, norm, work, one_pass=sample_size is not None)
-    stats = _joined([stat if peak is None else _at_least_peak(stat, peak) for stat, peak in zip(stats, peaks)])
+    stats = [stat if peak is None else _at_least_peak(stat, peak) for stat, peak in zip(stats, peaks)]
+    stats = _joined([stat if floor is None else _at_least_peak(stat, floor) for stat, floor in zip(stats, floors)])
     outs = []
     for stat, x in zip(stats, xs):
         scale = jnp.asarray(as_scale(x.scale))
@@ -388,13 +393,29 @@ def _relative_peak(x: ScaledArray) -> Array | None:
     return peak * np.float32(1 / limit)
 
 
+def _sparse_floor(x: ScaledArray, sample: Array) -> Array | None:
+    """For narrow data whose sample is mostly zeros: 1 (the statistic may move the data down, not up); else 0.
+
+    Such a value is sparse (a parameter that starts at zero and that only lookups update: a
+    recommender's per-row bias), and its sample, holding the smallest of its few non-zero
+    rows, would move the others past the dtype's range (a matrix factorisation with Adagrad
+    in float16 was NaN from step 5). Used for the values ``scalify`` returns: a gradient
+    needs its upward moves, and the gradient of a lookup has its own guard
+    (:func:`_relative_peak`). ``None`` for wide data.
+    """
+    if not narrow_range(x.dtype) or np.size(sample) == 0:
+        return None
+    zeros = jnp.sum((sample == 0).astype(np.float32))
+    return jnp.where(zeros * 2 > np.size(sample), np.float32(1), np.float32(0))
+
+
 def _at_least_peak(stat: Array, peak: Array) -> Array:
     """``max(stat, peak)`` where the statistic moves the data (positive and finite), else ``stat`` (the scale is kept)."""
     usable = (stat > 0) & jnp.isfinite(stat) & jnp.isfinite(peak)
     return jnp.where(usable, jnp.maximum(stat, peak.astype(stat.dtype)), stat)
 
 
-def _pow2_rms(sample: Array, up: bool, peak: Array | None = None) -> Array:
+def _pow2_rms(sample: Array, up: bool, peak: Array | None = None, floor: Array | None = None) -> Array:
     """The root mean square of ``sample`` rounded to a power of two, as one kernel; 1 where it is 0 or not finite.
 
     The mean of the clamped squares (:func:`_one_pass_statistic`) is rounded to a power of
@@ -421,6 +442,8 @@ def _pow2_rms(sample: Array, up: bool, peak: Array | None = None) -> Array:
         bound = pow2_round_up(peak)
         bound = lax.select(lax.lt(peak, np.float32(np.inf)), lax.mul(bound, bound), np.float32(0))
         even_power = lax.max(even_power, bound)
+    if floor is not None:  # 0 or 1: a power of two's square
+        even_power = lax.max(even_power, floor)
     return lax.sqrt(lax.select(usable, even_power, np.float32(1)))
 
 

@@ -283,7 +283,9 @@ def test_gradients_are_rescaled_once_in_one_batch_after_the_backward_pass(monkey
     batches = []
     original = rescaling.rescale_scaled_arrays
     monkeypatch.setattr(
-        rescaling, "rescale_scaled_arrays", lambda xs, *a: batches.append([x.shape for x in xs]) or original(xs, *a)
+        rescaling,
+        "rescale_scaled_arrays",
+        lambda xs, *a, **k: batches.append([x.shape for x in xs]) or original(xs, *a, **k),
     )
     ws, x = scaled(W * 2.0**-8, 8), scaled(X * 2.0**8, -8)
 
