@@ -33,7 +33,6 @@ from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.policy import (
     active_policy,
     mark_rescaled,
-    rescale_operand,
     rescale_self_product,
     rescales_in_backward_pass,
     was_rescaled,
@@ -225,14 +224,16 @@ def scaled_mul(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     scale, so its exponent folds into the output scale. Operands that share one scale
     (``x * x``, slices of one array) square their data's departure from unit size: the
     rescale policy's ``self_products`` rescales that product from its data. A square
-    ``x * x`` of float16/FP8 data is rescaled before the product instead (and the equations
-    after it read ``x`` rescaled), since the product itself may already overflow: float16
-    data of RMS 13 with entries above 256, left by a quotient in ``jax.experimental.ode``'s
-    step-size estimate, squared to inf inside a norm whose value was 1e-7.
+    ``x * x`` of float16/FP8 data is computed in float32 and narrowed with its scale raised
+    where its largest entry would overflow, since the narrow product itself may overflow:
+    float16 data of about 300, left by a quotient in ``jax.experimental.ode``'s step-size
+    estimate, squared to inf inside a norm whose value was 1e-7; rescaling the operand from
+    a sample first was not enough where a few entries of a long vector stood far above it.
     """
     if a is b and narrow_range(a.dtype) and active_policy().self_products:
-        a = b = rescale_operand(a)
-        return scaled_product(_bind(P.mul_p, a, b, **params), a.scale, b.scale)
+        wide = ScaledArray(widen(a.data), a.scale)
+        square = scaled_product(_bind(P.mul_p, wide, wide, **params), a.scale, a.scale)
+        return rescaled_and_narrowed(square, a.dtype)
     return rescale_self_product(scaled_product(_bind(P.mul_p, a, b, **params), a.scale, b.scale), a, b)
 
 

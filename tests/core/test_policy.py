@@ -430,3 +430,34 @@ def test_a_square_x_times_x_of_float16_data_far_from_unit_size_is_finite(jit):
     out = (jax.jit(fn) if jit else fn)(x)
     expected = np.sum(np.square(values.astype(np.float64) * 2.0**-20))
     np.testing.assert_allclose(float(out), expected, rtol=2e-3)
+
+
+def test_neural_ode_gradient_in_float16_follows_float32():
+    """``jax.experimental.ode.odeint`` (adaptive steps, adjoint gradients) of a small MLP in float16:
+    the step-size estimate squares the flattened adjoint state (``x * x``), whose few large entries
+    the statistic's sample missed; its gradients were NaN."""
+    from jax.experimental.ode import odeint
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {
+        "w1": jax.random.normal(keys[0], (2, 32)) * 0.5,
+        "b1": jnp.zeros(32),
+        "w2": jax.random.normal(keys[1], (32, 32)) / np.sqrt(32),
+        "b2": jnp.zeros(32),
+        "w3": jax.random.normal(keys[2], (32, 2)) * 0.1,
+    }
+
+    def dynamics(y, t, p):
+        h = jnp.tanh((y**3) @ p["w1"] + p["b1"])
+        return jnp.tanh(h @ p["w2"] + p["b2"]) @ p["w3"]
+
+    ts, y0 = jnp.linspace(0.0, 2.0, 16), jnp.array([2.0, 0.0])
+    target = odeint(lambda y, t: (y**3) @ jnp.array([[-0.1, 2.0], [-2.0, -0.1]]), y0, ts)
+    loss = lambda p, y0, ts, target: jnp.mean(jnp.abs(odeint(dynamics, y0, ts, p, rtol=1e-3, atol=1e-4) - target))
+    expected = jax.grad(loss)(params, y0, ts, target)
+    scaled_args = jsa.tree.astype(jsa.as_scaled_array((params, y0, ts, target)), jnp.float16)
+    grads = jax.jit(jsa.scalify(jax.grad(loss)))(*scaled_args)
+    for name, g in expected.items():
+        got = np.asarray(grads[name].to_array(jnp.float32))
+        assert np.isfinite(got).all(), name
+        np.testing.assert_allclose(got, np.asarray(g), atol=1e-2 * float(np.max(np.abs(g))))
