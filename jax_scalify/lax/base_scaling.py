@@ -541,8 +541,14 @@ def rescaled_and_narrowed(wide: ScaledArray, dtype: Any) -> ScaledArray:
     return mark_rescaled(out)
 
 
-def _largest_magnitude(data: Array) -> Array:
+def largest_magnitude(data: Array) -> Array:
+    """The largest ``|data|`` of the whole tensor, in float32 (one reduction)."""
     return jnp.max(jnp.abs(data)).astype(np.float32)
+
+
+def narrow_limit(dtype: Any) -> np.float32:
+    """Half the largest power of two of a narrow ``dtype`` (``2**14`` for float16): where guarded data stop."""
+    return np.float32(2.0 ** (jnp.finfo(dtype).maxexp - 2))
 
 
 def narrowed_within_range(x: ScaledArray, dtype: Any) -> ScaledArray:
@@ -555,8 +561,8 @@ def narrowed_within_range(x: ScaledArray, dtype: Any) -> ScaledArray:
     """
     if np.size(x.data) == 0:
         return ScaledArray(x.data.astype(dtype), x.scale)
-    limit = np.float32(2.0 ** (jnp.finfo(dtype).maxexp - 2))
-    peak = _largest_magnitude(x.data)
+    limit = narrow_limit(dtype)
+    peak = largest_magnitude(x.data)
     factor = jnp.where(jnp.isfinite(peak) & (peak > limit), pow2_round_up(peak / limit), np.float32(1))
     scale = as_scale(x.scale)
     # Divided, not multiplied by ``1 / factor``: the same exact result, and on XLA:CPU the
@@ -570,7 +576,7 @@ def lowered_to_largest_entry(x: ScaledArray) -> ScaledArray:
     One reduction of the whole tensor. All-zero or non-finite data keep their scale; the
     scale stays a normal number.
     """
-    peak = _largest_magnitude(x.data)
+    peak = largest_magnitude(x.data)
     below_one = jnp.isfinite(peak) & (peak > 0) & (peak < 1)
     factor = jnp.where(below_one, pow2_round_down(peak), np.float32(1))
     scale = as_scale(x.scale)

@@ -47,7 +47,7 @@ from ..core.interpreter import scalify
 from ..core.policy import STATIC_POLICY, active_policy, is_rescalable, is_sparse, mark_rescaled, was_rescaled
 from ..core.pow2 import pow2_round, pow2_round_down, pow2_round_up
 from ..core.registry import ScaledPrimitiveType, register_scaled_op
-from ..lax.base_scaling import as_scale, mul_data, narrow_range
+from ..lax.base_scaling import as_scale, largest_magnitude, mul_data, narrow_limit, narrow_range
 from ..lax.primitives import scaled_rebalance
 
 Array = Any
@@ -280,8 +280,8 @@ def rescale_scaled_arrays(
         factors = _joined([_pow2_rms(d, up, peak, floor) for d, peak, floor in zip(samples, peaks, floors)])
         return [_moved_by(x, factor) for x, factor in zip(xs, factors)]
     stats = _batch_statistics(samples, norm, work, one_pass=sample_size is not None)
-    stats = [stat if peak is None else _at_least_peak(stat, peak) for stat, peak in zip(stats, peaks)]
-    stats = _joined([stat if floor is None else _at_least_peak(stat, floor) for stat, floor in zip(stats, floors)])
+    stats = [stat if peak is None else _at_least(stat, peak) for stat, peak in zip(stats, peaks)]
+    stats = _joined([stat if floor is None else _at_least(stat, floor) for stat, floor in zip(stats, floors)])
     outs = []
     for stat, x in zip(stats, xs):
         scale = jnp.asarray(as_scale(x.scale))
@@ -388,9 +388,7 @@ def _relative_peak(x: ScaledArray) -> Array | None:
     """
     if not (is_sparse(x) and narrow_range(x.dtype)) or np.size(x.data) == 0:
         return None
-    limit = 2.0 ** (jnp.finfo(x.dtype).maxexp - 2)
-    peak = jnp.max(jnp.abs(jax.lax.stop_gradient(x.data))).astype(np.float32)
-    return peak * np.float32(1 / limit)
+    return largest_magnitude(jax.lax.stop_gradient(x.data)) * np.float32(1 / narrow_limit(x.dtype))
 
 
 def _sparse_floor(x: ScaledArray, sample: Array) -> Array | None:
@@ -409,10 +407,10 @@ def _sparse_floor(x: ScaledArray, sample: Array) -> Array | None:
     return jnp.where(zeros * 2 > np.size(sample), np.float32(1), np.float32(0))
 
 
-def _at_least_peak(stat: Array, peak: Array) -> Array:
-    """``max(stat, peak)`` where the statistic moves the data (positive and finite), else ``stat`` (the scale is kept)."""
-    usable = (stat > 0) & jnp.isfinite(stat) & jnp.isfinite(peak)
-    return jnp.where(usable, jnp.maximum(stat, peak.astype(stat.dtype)), stat)
+def _at_least(stat: Array, bound: Array) -> Array:
+    """``max(stat, bound)`` where the statistic moves the data (positive and finite), else ``stat`` (the scale is kept)."""
+    usable = (stat > 0) & jnp.isfinite(stat) & jnp.isfinite(bound)
+    return jnp.where(usable, jnp.maximum(stat, bound.astype(stat.dtype)), stat)
 
 
 def _pow2_rms(sample: Array, up: bool, peak: Array | None = None, floor: Array | None = None) -> Array:
