@@ -78,9 +78,10 @@ class RescalePolicy:
         self_products: rescale the product of two operands that share one scale object
             (``x * x``; slices of one array multiplied together, as in the combine of
             ``jax.lax.associative_scan`` or ``jnp.cumprod`` written as a parallel scan), and
-            the base of a power ``x ** y`` with ``|y| >= 3``, and of a square ``x * x`` of
-            float16/FP8 data, before the power. Products of independent values (activations
-            and weights) are left static.
+            the base of a power ``x ** y`` with ``|y| >= 3``, before the power; a square
+            ``x * x`` of float16/FP8 data is computed in float32 and narrowed with its
+            largest entry bounded. Products of independent values (activations and weights)
+            are left static.
         norm: the statistic moved into the scale: ``"l2"`` (root mean square, the
             default), ``"l1"`` (mean absolute value) or ``"max"`` (maximum absolute value).
             It is rounded to a power of two with the configured rounding mode.
