@@ -153,7 +153,7 @@ def check_scale_values(scale: Array, where: str = "ScaledArray") -> None:
         raise _scale_error(where, values, problem)
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_pytree_with_keys_class
 class ScaledArray:
     """An array represented as ``data * scale``.
 
@@ -173,7 +173,8 @@ class ScaledArray:
     scales broken by plain ``jax.tree`` functions (they rebuild a ``ScaledArray`` without
     calling this constructor; see ``docs/pytrees.md``).
 
-    A ``ScaledArray`` is a pytree with children ``(data, scale)``, so it passes through
+    A ``ScaledArray`` is a pytree with children ``(data, scale)`` (key paths ``.data`` and
+    ``.scale``; a checkpoint restored without a target holds ``{"data", "scale"}``), so it passes through
     ``jax.jit``, ``jax.tree`` functions and Optax unchanged. Inside ``scalify`` a value may
     also carry :class:`ScaleFacts` (``any_scale``, ``slices``), what the rules know about it
     beyond data and scale; they are the pytree's aux data, and ``scalify`` returns values
@@ -250,6 +251,11 @@ class ScaledArray:
         if facts == _PLAIN_FACTS:
             return (self.data, self.scale), None
         return (self.data, self.scale, *(self.slices or ())), facts
+
+    def tree_flatten_with_keys(self):
+        children, facts = self.tree_flatten()
+        names = ("data", "scale", "slice_data", "slice_scales")[: len(children)]
+        return [(jax.tree_util.GetAttrKey(name), child) for name, child in zip(names, children)], facts
 
     @classmethod
     def tree_unflatten(cls, aux_data, children):

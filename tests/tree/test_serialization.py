@@ -70,3 +70,25 @@ def test_orbax_checkpoint_round_trip_as_in_the_docs(tmp_path):
     assert isinstance(restored["params"]["w"], jsa.ScaledArray)
     np.testing.assert_array_equal(restored["params"]["w"].data, state["params"]["w"].data)
     assert restored["params"]["w"].scale.dtype == np.float32 and float(restored["params"]["w"].scale) == 2.0
+
+
+def test_orbax_restore_without_target_names_data_and_scale(tmp_path):
+    """Without a target Orbax rebuilds pytree nodes from their keys: a ScaledArray comes back as
+    ``{"data": ..., "scale": ...}`` (a dict that fails loudly where an array is expected, not
+    a two-element list that ``* 2`` would silently repeat), and ``jsa.ScaledArray(**d)`` rebuilds it."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    w = jsa.as_scaled_array(jnp.array([[1.0, 2.0], [3e-6, -4.0]], jnp.float16))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", {"w": w})
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "ckpt")
+    assert set(restored["w"]) == {"data", "scale"}
+    rebuilt = jsa.ScaledArray(**restored["w"])
+    np.testing.assert_array_equal(rebuilt.data, w.data)
+    np.testing.assert_array_equal(rebuilt.scale, w.scale)
+
+
+def test_key_paths_name_data_and_scale():
+    tree = {"w": jsa.as_scaled_array(jnp.ones(3))}
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    assert paths == ["['w'].data", "['w'].scale"]
