@@ -77,7 +77,9 @@ class RescalePolicy:
             parameter that only lookups update) are moved down by the statistic, never up.
         self_products: rescale the product of two operands that share one scale object
             (``x * x``; slices of one array multiplied together, as in the combine of
-            ``jax.lax.associative_scan`` or ``jnp.cumprod`` written as a parallel scan), and
+            ``jax.lax.associative_scan`` or ``jnp.cumprod`` written as a parallel scan), the
+            operands of such a contraction before it (``x @ x.T``, iterated in the
+            Newton-Schulz orthogonalisation of Muon), and
             the base of a power ``x ** y`` with ``|y| >= 3``, before the power; a square
             ``x * x`` of float16/FP8 data is computed in float32 and narrowed with its
             largest entry bounded. Products of independent values (activations and weights)
@@ -280,10 +282,29 @@ def was_rescaled(x: Any) -> bool:
     return _rescaled_by_policy().get(id(x)) is x
 
 
+def _share_scale(a: Any, b: Any) -> bool:
+    return isinstance(a, ScaledArray) and isinstance(b, ScaledArray) and a.scale is b.scale
+
+
 def rescale_self_product(product: Any, a: Any, b: Any) -> Any:
     """``product = a * b`` rescaled if ``a`` and ``b`` share one scale object and the policy says so."""
-    shared = isinstance(a, ScaledArray) and isinstance(b, ScaledArray) and a.scale is b.scale
-    return rescale(product) if shared and active_policy().self_products else product
+    return rescale(product) if _share_scale(a, b) and active_policy().self_products else product
+
+
+def rescale_self_product_operands(a: Any, b: Any) -> tuple[Any, Any]:
+    """The operands of a contraction, each rescaled (:func:`rescale_operand`) if they share one scale object.
+
+    ``x @ x.T`` squares the departure of ``x``'s data from unit size and sums ``K`` such
+    squares; an iteration of such products (Newton-Schulz, as in Muon) compounds it
+    exponentially. Rescaling the operands before the contraction, rather than its result
+    after, also keeps float16/FP8 products in range.
+    """
+    if not (_share_scale(a, b) and active_policy().self_products):
+        return a, b
+    if a is b:
+        a = rescale_operand(a)
+        return a, a
+    return rescale_operand(a), rescale_operand(b)
 
 
 def rescale_loop_carries(carries: Sequence[Any]) -> list:
@@ -372,6 +393,7 @@ __all__ = [
     "rescale_all",
     "rescale_loop_carries",
     "rescale_self_product",
+    "rescale_self_product_operands",
     "mark_rescaled",
     "mark_sparse",
     "recording_operand_rescales",

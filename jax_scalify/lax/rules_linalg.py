@@ -29,6 +29,7 @@ import numpy as np
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
+from ..core.policy import rescale_self_product_operands
 from ..core.registry import register_scaled_lax_op
 from .base_scaling import (
     as_scale,
@@ -96,8 +97,11 @@ def scaled_dot_general(lhs: Any, rhs: Any, *, dimension_numbers, **params) -> Sc
 
     Unit scaling of a sum of K products. All params are kept (``preferred_element_type``: FP8
     operands with a BF16/F32 result stay FP8 GEMMs); 1/r goes on the smaller 16-bit-or-wider
-    operand or on the output, whichever is cheapest (see the module docstring).
+    operand or on the output, whichever is cheapest (see the module docstring). Operands that
+    share one scale (``x @ x.T``) are first rescaled under the rescale policy's
+    ``self_products``: their product squares the data's departure from unit size.
     """
+    lhs, rhs = rescale_self_product_operands(lhs, rhs)
     (lhs_contracting, _), _ = dimension_numbers
     fan_in = _prod(lhs.shape[d] for d in lhs_contracting)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jax_scalify as jsa
 from jax_scalify.core import policy as policy_module
-from tests.invariance import exact_value, scaled
+from tests.invariance import exact_value, scaled, value_at_scale
 
 STATIC = jsa.RescalePolicy.static()
 RNG = np.random.default_rng(0)
@@ -148,6 +149,63 @@ def test_the_cube_of_float16_data_far_from_unit_size_does_not_overflow():
     np.testing.assert_allclose(got, exact_value(x) ** 3, rtol=4e-3, atol=1e-6)
     square = jsa.scalify(lambda x: x**2, policy=SELF_PRODUCTS_ONLY)(x)
     assert float(square.scale) == 2.0**-12
+
+
+def newton_schulz(x, steps=5):
+    """Muon's quintic Newton-Schulz orthogonalisation, as its reference code writes it."""
+    x = x / (jnp.linalg.norm(x) + 1e-7)
+    for _ in range(steps):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
+    return x
+
+
+@pytest.mark.parametrize("exponent", [-12, 0, 8, 12])
+def test_iterated_gram_products_of_data_far_from_unit_size_stay_invariant(exponent):
+    """Data of RMS 1e-2 * 2**-exponent: each ``x @ x.T`` squared the departure and summed 32
+    such squares, so the static scales left float32 after three iterations (NaN). The
+    operands of a contraction with itself are rescaled first."""
+    g = 1e-2 * RNG.standard_normal((16, 32)).astype(np.float32)
+    expected = np.asarray(jax.jit(newton_schulz)(g))
+    got = jax.jit(jsa.scalify(newton_schulz))(value_at_scale(g, exponent))
+    np.testing.assert_allclose(np.asarray(got.to_array()), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    static = jax.jit(jsa.scalify(newton_schulz, policy=STATIC))(value_at_scale(g, exponent))
+    assert not np.all(np.isfinite(np.asarray(static.to_array())))  # what the rescale prevents
+
+
+def test_a_hand_written_muon_trains_in_float16_with_the_recipe():
+    """A user's Muon (momentum, then Newton-Schulz on it) wrapped by ``scale_state``: the FP16
+    recipe follows float32 (it was NaN from the second step)."""
+
+    def muon(lr):
+        def update(grads, momentum, params=None):
+            momentum = jax.tree.map(lambda m, g: 0.95 * m + g, momentum, grads)
+            return jax.tree.map(lambda m: -lr * newton_schulz(m), momentum), momentum
+
+        return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), update)
+
+    def loss_fn(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    def train(tx, params, x, y, scalify):
+        def step(p, s, x, y):
+            loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+            u, s = tx.update(g, s, p)
+            return loss, optax.apply_updates(p, u), s
+
+        step = jax.jit(jsa.scalify(step) if scalify else step)
+        state = tx.init(params)
+        for _ in range(5):
+            loss, params, state = step(params, state, x, y)
+        return float(loss)
+
+    params = {"w1": jnp.asarray(W[0] / 2), "w2": jnp.asarray(W[1, :, :4])}
+    x = jnp.asarray(RNG.standard_normal((32, 8)), jnp.float32)
+    y = jnp.sin(x[:, :4])
+    expected = train(muon(0.02), params, x, y, scalify=False)
+    fp16 = lambda tree: jsa.tree.astype(jsa.as_scaled_array(tree), jnp.float16)  # noqa: E731
+    got = train(jsa.optim.scale_state(muon(0.02), jnp.float16), fp16(params), fp16(x), y, scalify=True)
+    assert got == pytest.approx(expected, rel=2e-3)
 
 
 def test_float32_gelu_layers_sharing_a_weight_at_a_drifted_scale_stay_invariant():
