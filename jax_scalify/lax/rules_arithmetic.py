@@ -154,13 +154,20 @@ def _backward_sum_in_float32(prim: Primitive, a: ScaledArray, b: ScaledArray, sc
     few thousand), and the result's scale compounds block after block (in float32 too: a
     12-block residual GELU MLP without normalisation, inputs of unit RMS, went NaN).
 
-    The sum is taken at the smaller operand scale (at most ``2**60`` below the static one, so
-    float32 data cannot overflow), which a zero statistic keeps: an all-zero cotangent (a
-    zero-initialised output layer) no longer carries the ``x ** 3`` scale of each GELU it goes
-    through (``2**20`` per layer for inputs near ``2**10``, inf after ten), whose zero data
-    would later flush the first real gradient added to an optimizer moment of that scale.
+    The sum is taken at the smaller operand scale, which a zero statistic keeps: an all-zero
+    cotangent (a zero-initialised output layer) no longer carries the ``x ** 3`` scale of each
+    GELU it goes through (``2**20`` per layer for inputs near ``2**10``, inf after ten), whose
+    zero data would later flush the first real gradient added to an optimizer moment of that
+    scale. A scale of 0 (an operand asserted zero at run time: the zero cotangent a
+    transposed loop starts its carries with) is not a candidate, and the work scale is at
+    most ``2**50`` below the static one: the data of the other operand then stay within the
+    range where the statistic is exact, and one rescale brings the sum to unit size (at
+    ``2**-60`` a transposed ``fori_loop`` left its sums' data at ``2**10``, and a DEQ's
+    float16 products after them overflowed).
     """
-    work_scale = scale_max(scale_min(a.scale, b.scale), scale * np.float32(2.0**-60))
+    sa, sb = as_scale(a.scale), as_scale(b.scale)
+    smaller = scale_min(select(sa > 0, sa, sb), select(sb > 0, sb, sa))
+    work_scale = scale_max(smaller, scale * np.float32(2.0**-50))
     wide = [ScaledArray(widen(x.data), x.scale) for x in (a, b)]
     total = ScaledArray(_bind(prim, *(rescale(x, work_scale).data for x in wide), **params), work_scale)
     return rescaled_and_narrowed(total, a.dtype)

@@ -255,6 +255,35 @@ def test_a_backward_sum_keeps_the_operand_that_holds_the_value():
     np.testing.assert_allclose(got[large], expected[large], atol=1e-3)
 
 
+def test_backward_sums_of_a_transposed_loop_are_unit_scaled():
+    """A transposed ``fori_loop`` starts the cotangents of its carries at zero, with scale 0 at
+    run time: taken as the smaller operand scale, that 0 put the first sum at ``2**-60`` of the
+    other operand's scale, beyond the range of one statistic, and left its float16 data at
+    ``2**10`` (a deep-equilibrium model's products then overflowed)."""
+    w = jnp.asarray(0.3 * W[0])
+    y = jnp.asarray(RNG.standard_normal((256, 8)), jnp.float32)
+
+    def loss(w, y):
+        def body(i, carry):
+            total, t = carry
+            t = t @ w
+            return total + t, t
+
+        total, _ = jax.lax.fori_loop(0, 4, body, (y, y))
+        return jnp.sum(total) * 1e-3
+
+    fp16 = lambda x: jsa.tree.astype(jsa.as_scaled_array(x), jnp.float16)  # noqa: E731
+    report = jsa.analysis.record_scales(jax.grad(loss), fp16(w), fp16(y))
+    sums = [r for r in report.records if r.op == "add_any"]
+    assert len(sums) >= 4
+    assert max(r.log2_rms_data for r in sums) < 2
+    got = jax.jit(jsa.scalify(jax.grad(loss)))(fp16(w), fp16(y))
+    expected = np.asarray(jax.grad(loss)(w, y))
+    np.testing.assert_allclose(
+        np.asarray(got.to_array(jnp.float32)), expected, rtol=0, atol=3e-3 * np.abs(expected).max()
+    )
+
+
 def test_a_zero_cotangent_through_deep_gelu_layers_keeps_a_finite_scale():
     """A zero-initialised output layer sends an all-zero cotangent back; each GELU multiplied
     its static scale by that of ``x ** 2`` (``2**20`` for activations near ``2**10``), inf
