@@ -190,8 +190,15 @@ def _plain_zeros_to_smallest_subnormal(x: Any, dtype: np.dtype) -> Any:
     kept: Optax's divisors are non-negative (there this is ``max(x, tiny)``), and a signed
     field that merely shares a divisor's name (SM3's momentum ``nu``, Adan's ``v``) changes
     by at most the rounding error of float16 data at that scale.
+
+    An all-zero tensor keeps its zeros: they are values, not underflows (a moment that a
+    conditional update left at zero, as SAM's adversarial steps leave Adam's), and its scale,
+    which no value set, would make the floor arbitrary (6e-8 against a true second moment of
+    2e-10: SAM's first Adam steps were 16 times too small).
     """
-    return jnp.where(x == 0, jnp.asarray(jnp.finfo(dtype).smallest_subnormal, x.dtype), x)
+    tiny = jnp.asarray(jnp.finfo(dtype).smallest_subnormal, x.dtype)
+    floor = jnp.where(jnp.any(x != 0), tiny, jnp.zeros((), x.dtype))
+    return jnp.where(x == 0, floor, x)
 
 
 _zeros_to_smallest_subnormal = custom_scale(_plain_zeros_to_smallest_subnormal, static_argnums=(1,))

@@ -445,6 +445,42 @@ def test_a_stored_zero_second_moment_beside_a_first_moment_gives_a_bounded_step(
     np.testing.assert_allclose(steps[0], 9 / np.sqrt(999), rtol=1e-3)
 
 
+def test_sams_first_adam_step_after_an_adversarial_step_follows_float32():
+    """SAM's adversarial step leaves Adam's ``nu`` at zero, stored at a scale no value set
+    (its ``cond * a + (1 - cond) * b`` does not keep the zero scale of the fresh moment); the
+    floor under divisors made that 6e-8 against a true 2e-10, and the first Adam step was 16
+    times too small. An all-zero divisor keeps its zeros."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+    params = {
+        "w1": jnp.asarray(init_mlp(rng, [16, 32])[0]["w"]),
+        "w2": jnp.asarray(rng.standard_normal((32, 8)) * 1e-3, jnp.float32),
+    }
+    y = jnp.sin(x[:, :8]) * 1e-3
+
+    def step_of(tx):
+        def step(p, s, x):
+            grads = jax.grad(lambda p: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2))(p)
+            updates, s = tx.update(grads, s, p)
+            return optax.apply_updates(p, updates), s
+
+        return step
+
+    make_sam = lambda: optax.contrib.sam(optax.adam(1e-3), optax.sgd(1e-2), sync_period=2)  # noqa: E731
+    expected, state = params, make_sam().init(params)
+    got, scaled_state = (
+        jsa.as_scaled_array(params),
+        scale_state(make_sam(), jnp.float16).init(jsa.as_scaled_array(params)),
+    )
+    plain, scalified = jax.jit(step_of(make_sam())), jax.jit(jsa.scalify(step_of(scale_state(make_sam(), jnp.float16))))
+    for _ in range(2):  # the adversarial step, then the first outer (Adam) step
+        expected, state = plain(expected, state, x)
+        got, scaled_state = scalified(got, scaled_state, jsa.as_scaled_array(x))
+    moved = np.asarray(expected["w2"] - params["w2"])
+    got_moved = np.asarray(jsa.asarray(got)["w2"], np.float32) - np.asarray(params["w2"])
+    np.testing.assert_allclose(got_moved, moved, rtol=0, atol=1e-2 * np.abs(moved).max())
+
+
 def test_a_signed_field_named_like_a_divisor_keeps_its_negative_entries():
     """SM3's momentum is named ``nu``, the name of Adam's second moment: the floor under
     divisors moves only stored zeros, so its negative entries stay negative (flooring every
