@@ -226,6 +226,19 @@ def rescale(x: Any, policy: RescalePolicy | None = None) -> Any:
     return mark_rescaled(rescale_scaled_array(x, policy.norm, policy.sample_size))
 
 
+def rescale_into_narrow(x: Any, dtype: Any) -> Any:
+    """``x`` (wide data) rescaled with the policy's statistic of all its data and cast to the narrow ``dtype``.
+
+    :func:`jax_scalify.ops.rescaling.rescaled_into_narrow` (imported lazily, as in
+    :func:`rescale`); a value that is not rescalable is returned as it is.
+    """
+    if not is_rescalable(x):
+        return x
+    from ..ops.rescaling import rescaled_into_narrow
+
+    return mark_rescaled(rescaled_into_narrow(x, dtype, active_policy().norm))
+
+
 def rescale_operand(x: Any) -> Any:
     """:func:`rescale` of an operand of the equation being evaluated; later equations read the result.
 
@@ -391,6 +404,7 @@ __all__ = [
     "is_sparse",
     "rescale",
     "rescale_all",
+    "rescale_into_narrow",
     "rescale_loop_carries",
     "rescale_self_product",
     "rescale_self_product_operands",

@@ -24,7 +24,7 @@ from jax.extend.core import Jaxpr, Primitive
 
 from ..core.array import ScaledArray, unscaled
 from ..core.config import Pow2RoundMode, get_scalify_config
-from ..core.policy import mark_rescaled, rescales_in_backward_pass
+from ..core.policy import mark_rescaled, rescale_into_narrow, rescales_in_backward_pass
 from ..core.policy import rescale as rescale_by_policy
 from ..core.pow2 import (
     is_numpy,
@@ -528,15 +528,19 @@ def _rescaled_backward_sum(scale: Array, r: np.ndarray, reduce: Callable[..., Ar
 
 
 def rescaled_and_narrowed(wide: ScaledArray, dtype: Any) -> ScaledArray:
-    """A backward sum computed in float32 (or wider): its statistic moved into the scale, then cast to a narrow ``dtype`` without overflow.
+    """A backward sum computed in float32 (or wider): its statistic moved into the scale, then cast to ``dtype`` without overflow.
 
-    The result counts as rescaled by the policy: a gradient it returns is not rescaled again
-    at the end of the backward pass (where a raised scale's outlier would overflow anyway).
+    For float16/FP8 the statistic is that of the whole tensor, read in the same pass as its
+    largest entry, which is bounded (:func:`jax_scalify.core.policy.rescale_into_narrow`);
+    for wide dtypes (bfloat16: float32's range) the policy's sampled rescale. The result
+    counts as rescaled by the policy: a gradient it returns is not rescaled again at the end
+    of the backward pass.
     """
-    out = rescale_by_policy(wide)
     if narrow_range(dtype):
-        out = narrowed_within_range(out, dtype)
-    elif out.dtype != dtype:  # bfloat16: float32's range, so nothing to guard
+        out = rescale_into_narrow(wide, dtype)
+        return out if out.dtype == dtype else narrowed_within_range(out, dtype)
+    out = rescale_by_policy(wide)
+    if out.dtype != dtype:
         out = ScaledArray(out.data.astype(dtype), out.scale)
     return mark_rescaled(out)
 

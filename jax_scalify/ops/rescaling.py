@@ -47,7 +47,14 @@ from ..core.interpreter import scalify
 from ..core.policy import STATIC_POLICY, active_policy, is_rescalable, is_sparse, mark_rescaled, was_rescaled
 from ..core.pow2 import pow2_round, pow2_round_down, pow2_round_up
 from ..core.registry import ScaledPrimitiveType, register_scaled_op
-from ..lax.base_scaling import as_scale, largest_magnitude, mul_data, narrow_limit, narrow_range
+from ..lax.base_scaling import (
+    as_scale,
+    largest_magnitude,
+    mul_data,
+    narrow_limit,
+    narrow_range,
+    narrowed_within_range,
+)
 from ..lax.primitives import scaled_rebalance
 
 Array = Any
@@ -462,6 +469,28 @@ def _moved_by(x: ScaledArray, factor: Array) -> ScaledArray:
     return ScaledArray(
         mul_data(x.data, lax.select(usable, inverse, np.float32(1))), lax.select(usable, new_scale, scale)
     )
+
+
+def rescaled_into_narrow(x: ScaledArray, dtype: Any, norm: Norm) -> ScaledArray:
+    """``x`` (wide data) with the statistic of all its data moved into its scale, cast to the narrow ``dtype`` without overflow.
+
+    For values computed in float32 to be stored in float16/FP8 (the backward sums of
+    :func:`jax_scalify.lax.base_scaling.rescaled_and_narrowed`). Their largest entry must be
+    bounded anyway, which reads the whole tensor; the mean square is a second reduction of
+    the same data, which XLA computes in the same pass, and unlike a sample it cannot miss
+    the few entries that carry the tensor (the input gradient of a GELU layer where one unit
+    had grown: the sample's RMS was ``2**7`` below the tensor's, and the float16 products
+    after the sum overflowed). The largest entry is kept at most half the dtype's largest
+    power of two. Other statistics and roundings take the sampled rescale of the policy,
+    then the bound.
+    """
+    mode = get_scalify_config().rounding_mode
+    if not (_rms_path([x], norm, 0, None, mode, np.float32) and np.size(x.data) > 0):
+        return narrowed_within_range(rescale_scaled_arrays([x], norm, active_policy().sample_size)[0], dtype)
+    data = jax.lax.stop_gradient(x.data).astype(np.float32)
+    peak = jnp.minimum(largest_magnitude(data) * np.float32(1 / narrow_limit(dtype)), np.float32(2.0**60))
+    out = _moved_by(x, _pow2_rms(data, mode == Pow2RoundMode.UP, peak))
+    return ScaledArray(out.data.astype(dtype), out.scale)
 
 
 # --- the dynamic_rescale primitive --------------------------------------------------------------

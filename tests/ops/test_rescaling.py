@@ -6,7 +6,7 @@ import pytest
 
 import jax_scalify as jsa
 from jax_scalify import ops
-from jax_scalify.ops.rescaling import rescale_scaled_arrays, strided_sample
+from jax_scalify.ops.rescaling import rescale_scaled_arrays, rescaled_into_narrow, strided_sample
 from tests.invariance import STATIC_POLICY, assert_pow2_scales
 
 RESCALES = {"l1": ops.dynamic_rescale_l1, "l2": ops.dynamic_rescale_l2, "max": ops.dynamic_rescale_max}
@@ -415,3 +415,20 @@ def test_matrix_factorisation_with_zero_initialised_biases_trains_in_float16():
         assert np.isfinite(got).all(), name
         np.testing.assert_allclose(got, np.asarray(p32[name]), atol=2e-3 * float(np.max(np.abs(p32[name]))))
     np.testing.assert_allclose(float(loss16), float(loss32), rtol=1e-2)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_narrowing_takes_the_rms_of_all_the_data_and_bounds_its_peak(jit):
+    """A float32 sum whose energy sits in one column that a strided sample skips (the input
+    gradient of a GELU layer with one grown unit): the sampled RMS was 2**7 below the
+    tensor's and left float16 data at 2**7-2**10, which the products after it overflowed."""
+    data = np.full((128, 128), 1e-3, np.float32)
+    data[:, 1] = 1.0  # column 1: between the sampled columns 0 and 4
+    data[5, 1] = 3e4  # an entry 2**15 above the RMS: bounded, not inf
+    narrow = lambda x: rescaled_into_narrow(x, jnp.float16, "l2")  # noqa: E731
+    out = (jax.jit(narrow) if jit else narrow)(jsa.ScaledArray(jnp.asarray(data), jnp.float32(2.0**-20)))
+    assert out.dtype == jnp.float16 and np.all(np.isfinite(np.asarray(out.data, np.float32)))
+    assert np.abs(np.asarray(out.data, np.float32)).max() <= 2.0**14
+    rms = np.sqrt(np.mean(np.square(np.asarray(out.data, np.float64))))
+    assert 1 / 4 <= rms <= 4  # the whole tensor's RMS moved into the scale (bounded by the peak)
+    np.testing.assert_allclose(np.asarray(out.to_array(jnp.float32)), data * 2.0**-20, rtol=1e-3, atol=1e-6 * 2.0**-20)
