@@ -321,10 +321,21 @@ def rescale_self_product_operands(a: Any, b: Any) -> tuple[Any, Any]:
 
 
 def rescale_loop_carries(carries: Sequence[Any]) -> list:
-    """The carries of one loop iteration, rescaled if the active policy says so."""
+    """The carries of one loop iteration, rescaled if the active policy says so.
+
+    A carry that a rule has just rescaled from its data (a backward sum of a transposed
+    loop: the statistic of all its data, its largest entry bounded) is left as it is: a
+    sample can only estimate it worse. (A deep-equilibrium model's tangent solve: one row of
+    the cotangent carried the tensor, the sample read none of its rows and moved the data
+    2^10 up, to inf after a few iterations.)
+    """
     if not active_policy().loop_carries:
         return list(carries)
-    return rescale_all(carries)
+    carries = list(carries)
+    where = [i for i, x in enumerate(carries) if not was_rescaled(x)]
+    for i, out in zip(where, rescale_all([carries[i] for i in where])):
+        carries[i] = out
+    return carries
 
 
 # --- gradients: the values leaving the backward pass ------------------------------------------

@@ -284,6 +284,72 @@ def test_backward_sums_of_a_transposed_loop_are_unit_scaled():
     )
 
 
+def deq_loss(params, x, y):
+    """A deep-equilibrium layer ``z = tanh(z @ W + x @ U + b)`` through ``jax.lax.custom_root``.
+
+    Fixed-point iterations find ``z``; the tangent solve sums a Neumann series, so reverse
+    mode runs a transposed ``fori_loop`` whose cotangent carry grows in any row where the
+    layer's Jacobian is not contracting.
+    """
+    injected = x @ params["U"] + params["b"]
+    residual = lambda z: jnp.tanh(z @ params["W"] + injected) - z  # noqa: E731
+
+    def fixed_point(f, z0):
+        return jax.lax.fori_loop(0, 30, lambda i, z: f(z) + z, z0)
+
+    def neumann_solve(g, rhs):
+        def term(i, carry):
+            total, t = carry
+            t = g(t) + t
+            return total + t, t
+
+        return -jax.lax.fori_loop(0, 30, term, (rhs, rhs))[0]
+
+    z = jax.lax.custom_root(residual, jnp.zeros_like(injected), fixed_point, neumann_solve)
+    return jnp.mean((z @ params["head"] - y[:, None]) ** 2)
+
+
+@pytest.mark.slow
+def test_a_deep_equilibrium_layer_trains_in_float16():
+    """At step 128 one batch row's Neumann series diverged (x1.6 per term) while the others
+    decayed; each backward sum of the transposed loop was rescaled from all its data, then
+    the loop-carry rescale re-estimated it from a sample that read none of that row's
+    entries, moved its data 2**10 up, and it overflowed (NaN at step 129). A carry that a
+    rule has just rescaled is not rescaled again."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {
+        "W": jax.random.normal(keys[0], (32, 32)) * 0.3 / np.sqrt(32),
+        "U": jax.random.normal(keys[1], (8, 32)) / np.sqrt(8),
+        "b": jnp.zeros(32),
+        "head": jax.random.normal(keys[2], (32, 1)) / np.sqrt(32),
+    }
+    rng, direction = np.random.default_rng(1), np.random.default_rng(3).standard_normal(8).astype(np.float32)
+    batches = []
+    for _ in range(160):
+        x = rng.standard_normal((256, 8)).astype(np.float32)
+        batches.append((x, np.sin(x @ direction) + 0.1 * rng.standard_normal(256).astype(np.float32)))
+
+    def train(tx, params, fp16):
+        def step(params, state, x, y):
+            loss, grads = jax.value_and_grad(deq_loss)(params, x, y)
+            updates, state = tx.update(grads, state, params)
+            return loss, optax.apply_updates(params, updates), state
+
+        step = jax.jit(jsa.scalify(step) if fp16 else step)
+        to16 = lambda t: jsa.tree.astype(jsa.as_scaled_array(t), jnp.float16)  # noqa: E731
+        params = to16(params) if fp16 else params
+        state, losses = tx.init(params), []
+        for x, y in batches:
+            loss, params, state = step(params, state, to16(jnp.asarray(x)) if fp16 else x, y)
+            losses.append(float(loss))
+        return np.asarray(losses)
+
+    expected = train(optax.adam(3e-3), params, fp16=False)
+    got = train(jsa.optim.scale_state(optax.adam(3e-3), jnp.float16), params, fp16=True)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got[:100], expected[:100], rtol=2e-2)
+
+
 def test_a_zero_cotangent_through_deep_gelu_layers_keeps_a_finite_scale():
     """A zero-initialised output layer sends an all-zero cotangent back; each GELU multiplied
     its static scale by that of ``x ** 2`` (``2**20`` for activations near ``2**10``), inf
