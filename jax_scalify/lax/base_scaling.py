@@ -530,8 +530,8 @@ def _rescaled_backward_sum(scale: Array, r: np.ndarray, reduce: Callable[..., Ar
 def rescaled_and_narrowed(wide: ScaledArray, dtype: Any) -> ScaledArray:
     """A backward sum computed in float32 (or wider): its statistic moved into the scale, then cast to ``dtype`` without overflow.
 
-    For float16/FP8 the statistic is that of the whole tensor, read in the same pass as its
-    largest entry, which is bounded (:func:`jax_scalify.core.policy.rescale_into_narrow`);
+    For float16/FP8 the statistic is that of the whole tensor, whose largest entry is
+    bounded too (:func:`jax_scalify.core.policy.rescale_into_narrow`);
     for wide dtypes (bfloat16: float32's range) the policy's sampled rescale. The result
     counts as rescaled by the policy: a gradient it returns is not rescaled again at the end
     of the backward pass.

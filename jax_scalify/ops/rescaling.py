@@ -367,9 +367,13 @@ def _pow2_rescale_exponents(stats: Array, scales: Array, up: bool) -> tuple[Arra
 
 def _rms_path(xs, norm, sample_size, min_scale, mode, work) -> bool:
     """Whether the policy's statistic takes :func:`_pow2_rms` and :func:`_moved_by`: sampled RMS, float32 scales, power-of-two rounding."""
+    return sample_size is not None and _pow2_rms_applies(xs, norm, min_scale, mode, work)
+
+
+def _pow2_rms_applies(xs, norm, min_scale, mode, work) -> bool:
+    """RMS statistic, float32 data and scales, rounding to a power of two, no minimum scale."""
     return (
         norm == "l2"
-        and sample_size is not None
         and min_scale is None
         and mode in (Pow2RoundMode.DOWN, Pow2RoundMode.UP)
         and np.dtype(work) == np.float32
@@ -476,16 +480,17 @@ def rescaled_into_narrow(x: ScaledArray, dtype: Any, norm: Norm) -> ScaledArray:
 
     For values computed in float32 to be stored in float16/FP8 (the backward sums of
     :func:`jax_scalify.lax.base_scaling.rescaled_and_narrowed`). Their largest entry must be
-    bounded anyway, which reads the whole tensor; the mean square is a second reduction of
-    the same data, which XLA computes in the same pass, and unlike a sample it cannot miss
-    the few entries that carry the tensor (the input gradient of a GELU layer where one unit
-    had grown: the sample's RMS was ``2**7`` below the tensor's, and the float16 products
-    after the sum overflowed). The largest entry is kept at most half the dtype's largest
-    power of two. Other statistics and roundings take the sampled rescale of the policy,
-    then the bound.
+    bounded anyway, which reads the whole tensor; the mean square of all of it is a second
+    reduction of the same data and, unlike a sample, cannot miss the few entries that carry
+    the tensor (the input gradient of a GELU layer where one unit had grown: the sample's RMS
+    was ``2**7`` below the tensor's, and the float16 products after the sum overflowed). On
+    XLA:CPU the two reductions are two kernels (the float16 GPT step of
+    ``benchmarks/overhead.py`` ran about 5% longer than with the sampled RMS). The largest
+    entry is kept at most half the dtype's largest power of two. Other statistics and
+    roundings take the sampled rescale of the policy, then the bound.
     """
     mode = get_scalify_config().rounding_mode
-    if not (_rms_path([x], norm, 0, None, mode, np.float32) and np.size(x.data) > 0):
+    if not (_pow2_rms_applies([x], norm, None, mode, np.float32) and np.size(x.data) > 0):
         return narrowed_within_range(rescale_scaled_arrays([x], norm, active_policy().sample_size)[0], dtype)
     data = jax.lax.stop_gradient(x.data).astype(np.float32)
     peak = jnp.minimum(largest_magnitude(data) * np.float32(1 / narrow_limit(dtype)), np.float32(2.0**60))
