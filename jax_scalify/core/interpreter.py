@@ -349,6 +349,7 @@ def _eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> lis
     for v, value in zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]):
         write(v, value)
     gradients = _gradients_to_rescale(jaxpr)
+    residuals = _residuals_to_rescale(jaxpr)
     pending: list[Var] = []  # gradients defined, to rescale together before their first forward use
 
     def rescale_pending():
@@ -362,6 +363,10 @@ def _eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> lis
             uses_gradient = pending and any(isinstance(v, Var) and v in gradients for v in eqn.invars)
             if uses_gradient and not rescale_policy.is_backward_equation(eqn):
                 rescale_pending()
+            if residuals and rescale_policy.is_backward_equation(eqn):
+                for v in eqn.invars:
+                    if isinstance(v, Var) and v in residuals:
+                        env[v] = rescale_policy.rescale_residual(env[v])
             invals = [read(v) for v in eqn.invars]
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             with (
@@ -400,6 +405,13 @@ def _gradients_to_rescale(jaxpr: Jaxpr) -> frozenset:
     if not rescale_policy.active_policy().gradients or rescale_policy.in_backward_pass():
         return frozenset()
     return rescale_policy.gradient_boundary(jaxpr)
+
+
+def _residuals_to_rescale(jaxpr: Jaxpr) -> frozenset:
+    """The forward values of ``jaxpr`` the active policy rescales before the backward pass multiplies them."""
+    if not rescale_policy.active_policy().gradients or rescale_policy.in_backward_pass():
+        return frozenset()
+    return rescale_policy.backward_product_residuals(jaxpr)
 
 
 def _eval_equation(eqn: JaxprEqn, invals: list) -> list:

@@ -36,6 +36,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import Jaxpr, Var
@@ -381,6 +382,40 @@ def evaluating(eqn: Any) -> Iterator[None]:
         _state.backward_depth -= backward
 
 
+# The backward primitives whose forward operands are rescaled before them (see backward_product_residuals).
+_RESIDUAL_READERS = frozenset({"mul"})
+
+
+@functools.lru_cache(maxsize=4096)
+def backward_product_residuals(jaxpr: Jaxpr) -> frozenset:
+    """Variables defined by a forward equation of ``jaxpr`` and multiplied (``mul``) by a backward one.
+
+    The residuals a derivative multiplies onto the cotangent: the backward pass of a
+    ``jvp`` multiplies it by four or five forward values in a row with no sum in between,
+    and each static product adds its operand's departure from unit size.
+    """
+    forward_defined = {v for e in jaxpr.eqns if not is_backward_equation(e) for v in e.outvars if type(v) is Var}
+    return frozenset(
+        v
+        for e in jaxpr.eqns
+        if e.primitive.name in _RESIDUAL_READERS and is_backward_equation(e)
+        for v in e.invars
+        if isinstance(v, Var) and v in forward_defined
+    )
+
+
+def rescale_residual(x: Any) -> Any:
+    """A residual (:func:`backward_product_residuals`) rescaled if it holds float16/FP8 data with a run-time scale.
+
+    Wide data, constants (NumPy scales) and values whose scale was already chosen from their
+    data are returned as they are.
+    """
+    narrow = is_rescalable(x) and jnp.finfo(x.dtype).maxexp < jnp.finfo(np.float32).maxexp
+    if not narrow or isinstance(x.scale, (np.ndarray, np.generic)) or was_rescaled(x):
+        return x
+    return rescale(x)
+
+
 @functools.lru_cache(maxsize=4096)
 def gradient_boundary(jaxpr: Jaxpr) -> frozenset:
     """Variables defined by a backward equation and used by a forward one or returned.
@@ -402,6 +437,7 @@ def gradient_boundary(jaxpr: Jaxpr) -> frozenset:
 
 __all__ = [
     "DEFAULT_POLICY",
+    "backward_product_residuals",
     "RescalePolicy",
     "STATIC_POLICY",
     "active_policy",
@@ -423,6 +459,7 @@ __all__ = [
     "mark_sparse",
     "recording_operand_rescales",
     "rescale_operand",
+    "rescale_residual",
     "rescales_in_backward_pass",
     "was_rescaled",
 ]
