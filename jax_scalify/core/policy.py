@@ -67,7 +67,11 @@ class RescalePolicy:
             ``sub``, ``add_any``) of two operands with run-time scales of their own, in any
             floating dtype (taken at the smaller operand scale: a product whose factors
             cancelled, such as the tanh GELU's ``x ** 3`` term, no longer lends its large
-            scale to the cotangent); the rest of the backward pass is static.
+            scale to the cotangent); and each float16/FP8 forward value that a backward
+            product (``mul``) reads is rescaled once, before its first backward use (the
+            backward pass of a ``jvp`` multiplies the cotangent by four or five of them in
+            a row, and each static product adds its factor's departure from unit size);
+            the rest of the backward pass is static.
         loop_carries: rescale the scaled carries of ``scan`` and ``while`` bodies at every
             iteration (this includes the transposed scans of a backward pass).
         outputs: rescale the floating scaled outputs of the scalified function (the state
