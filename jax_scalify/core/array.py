@@ -91,6 +91,11 @@ def is_floating_dtype(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
+def narrow_range(dtype) -> bool:
+    """True for float dtypes with a smaller exponent range than float32 (float16, FP8)."""
+    return jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp
+
+
 def _is_concrete(x: Any) -> bool:
     """A value known now (NumPy, or a JAX array that is not a tracer)."""
     if isinstance(x, (np.ndarray, np.generic)):

@@ -36,12 +36,12 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import Jaxpr, Var
 
-from .array import ScaledArray, is_floating_dtype
+from .array import ScaledArray, is_floating_dtype, narrow_range
+from .pow2 import is_numpy
 from .promotion import is_any_scale
 
 _NORMS = ("l1", "l2", "max")
@@ -414,8 +414,7 @@ def rescale_residual(x: Any) -> Any:
     Wide data, constants (NumPy scales) and values whose scale was already chosen from their
     data are returned as they are.
     """
-    narrow = is_rescalable(x) and jnp.finfo(x.dtype).maxexp < jnp.finfo(np.float32).maxexp
-    if not narrow or isinstance(x.scale, (np.ndarray, np.generic)) or was_rescaled(x):
+    if not (is_rescalable(x) and narrow_range(x.dtype)) or is_numpy(x.scale) or was_rescaled(x):
         return x
     return rescale(x)
 

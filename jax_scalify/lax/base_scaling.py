@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Jaxpr, Primitive
 
-from ..core.array import ScaledArray, unscaled
+from ..core.array import ScaledArray, narrow_range, unscaled
 from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.policy import mark_rescaled, rescale_into_narrow, rescales_in_backward_pass
 from ..core.policy import rescale as rescale_by_policy
@@ -477,11 +477,6 @@ def _traced_root(x: ScaledArray, scale: Array, n: int, data_fn: Callable[[Array]
     return data, out_scale
 
 
-def narrow_range(dtype) -> bool:
-    """True for float dtypes with a smaller exponent range than float32 (float16, FP8)."""
-    return jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp
-
-
 def num_elements(shape: Sequence[int], dims: Sequence[int]) -> int:
     """The number of elements along ``dims`` of ``shape`` (the terms of a reduction over them)."""
     return int(np.prod([shape[d] for d in dims], dtype=np.int64))
@@ -538,10 +533,12 @@ def rescaled_and_narrowed(wide: ScaledArray, dtype: Any) -> ScaledArray:
     """
     if narrow_range(dtype):
         out = rescale_into_narrow(wide, dtype)
-        return out if out.dtype == dtype else narrowed_within_range(out, dtype)
-    out = rescale_by_policy(wide)
-    if out.dtype != dtype:
-        out = ScaledArray(out.data.astype(dtype), out.scale)
+        if out.dtype != dtype:  # not rescalable (any-scale): only the bound
+            out = narrowed_within_range(out, dtype)
+    else:
+        out = rescale_by_policy(wide)
+        if out.dtype != dtype:
+            out = ScaledArray(out.data.astype(dtype), out.scale)
     return mark_rescaled(out)
 
 

@@ -447,7 +447,7 @@ def _pow2_rms(sample: Array, up: bool, peak: Array | None = None, floor: Array |
         exponent = lax.add(exponent, np.int32(1))
     half = lax.shift_right_arithmetic(exponent, np.int32(1))  # floor(e / 2); ceil(e / 2) with the + 1 above
     even_power = _from_biased_exponent(lax.add(lax.add(half, half), np.int32(_F32_BIAS)))
-    if peak is not None:  # a narrow dtype's peak ratio is below 4: its square is a normal float32
+    if peak is not None:  # callers keep it at most 2**60: its square is a normal float32
         bound = pow2_round_up(peak)
         bound = lax.select(lax.lt(peak, np.float32(np.inf)), lax.mul(bound, bound), np.float32(0))
         even_power = lax.max(even_power, bound)
