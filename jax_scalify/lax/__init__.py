@@ -15,6 +15,7 @@ from . import (
     rules_callbacks,
     rules_calls,
     rules_collectives,
+    rules_complex,
     rules_indexing,
     rules_layout,
     rules_linalg,
@@ -31,6 +32,7 @@ from .rules_arithmetic import *  # noqa: F401,F403
 from .rules_callbacks import *  # noqa: F401,F403
 from .rules_calls import *  # noqa: F401,F403
 from .rules_collectives import *  # noqa: F401,F403
+from .rules_complex import *  # noqa: F401,F403
 from .rules_indexing import *  # noqa: F401,F403
 from .rules_layout import *  # noqa: F401,F403
 from .rules_linalg import *  # noqa: F401,F403
@@ -50,6 +52,7 @@ _MODULES = (
     rules_reduce,
     rules_linalg,
     rules_linalg_solvers,
+    rules_complex,
     rules_special,
     rules_misc,
     rules_calls,
