@@ -50,7 +50,9 @@ def test_float16_data_reaches_the_fft_as_its_float32_value():
     x = np.random.default_rng(1).standard_normal((2, N)).astype(np.float32)
     scaled = jsa.ScaledArray(jnp.asarray(x, jnp.float16), jnp.float32(2.0**-30))
     out = jsa.scalify(lambda a: jnp.fft.rfft(a.astype(jnp.float32)))(scaled)
-    np.testing.assert_allclose(out * 2.0**30, np.fft.rfft(x.astype(np.float16).astype(np.float32)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        out * 2.0**30, np.fft.rfft(x.astype(np.float16).astype(np.float32)), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_a_fourier_layer_trains_in_float16_with_the_recipe():
