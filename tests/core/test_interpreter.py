@@ -5,8 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.extend.core import primitives
 
 import jax_scalify as jsa
+from jax_scalify.core import registry
 from tests.invariance import STATIC_POLICY, assert_pow2_scales
 
 X = np.array([1.0, -2.0, 3.0, 0.5], np.float32)
@@ -204,8 +206,9 @@ def test_missing_rule_in_a_jitted_library_function_names_the_call_site():
     assert "jax_scalify" not in line.replace("test_interpreter", "")
 
 
-def test_missing_rule_in_a_library_function_names_the_user_line_that_called_it():
+def test_missing_rule_in_a_library_function_names_the_user_line_that_called_it(restore_registry):
     """``jnp.fft.rfft`` is a jitted JAX function: its ``fft`` equation has no user frame, the call has."""
+    del registry._RULES[primitives.fft_p]  # its rule removed for the test
 
     def spectrum_loss(x):
         return jnp.sum(jnp.abs(jnp.fft.rfft(x)))  # the line the error names
