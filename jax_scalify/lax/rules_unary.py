@@ -118,17 +118,21 @@ def scaled_integer_pow(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     2**5.3 (a parallel-scan recurrence's state reached 2**4.5 and its tanh GELU cubed it); in
     float32 a departure of 2**26 (three GELU layers sharing a weight whose scale is 2**8 off)
     cubes to data that the GELU's derivative underflows and a scale it overflows (NaN).
-    Squares, in every LayerNorm, need 2**8 in float16 and stay static.
+    Squares stay static in scale.
 
-    A negative power of narrow (float16, FP8) data is computed in float32 and narrowed with
-    its scale raised where its largest entry would overflow: the smallest entries of the base
+    A square or a negative power of narrow (float16, FP8) data is computed in float32 and
+    narrowed with its scale raised where its largest entry would overflow (a scale that
+    stays ``s**y`` unless it would). For negative powers the smallest entries of the base
     decide, which no statistic of the base bounds (the derivative of ``q / sigma ** 2`` in
     ``jax.scipy.stats.norm.logpdf`` takes ``sigma ** -4``; for sigmas in ``[0.06, 2.6]``,
-    a range float16 holds at one scale, ``0.0036 ** -2`` overflowed the data).
+    a range float16 holds at one scale, ``0.0036 ** -2`` overflowed the data). A square
+    overflows float16 data from a departure of 2**8 (the tanh GELU's derivative squares its
+    input in every tangent and backward pass; a Jacobian-norm penalty through four GELU
+    layers drifted its tangents there and was inf at step 35).
     """
     if abs(y) >= 3 and active_policy().self_products:
         x = rescale_operand(x)
-    if y < 0 and narrow_range(x.dtype):
+    if (y < 0 or y == 2) and narrow_range(x.dtype):
         power = scaled_power(P.integer_pow_p.bind(widen(x.data), y=y, **params), x.scale, y)
         return narrowed_within_range(power, x.dtype)
     return scaled_power(P.integer_pow_p.bind(x.data, y=y, **params), x.scale, y)
@@ -136,7 +140,10 @@ def scaled_integer_pow(x: ScaledArray, *, y: int, **params) -> ScaledArray:
 
 @register_scaled_lax_op
 def scaled_square(x: ScaledArray, **params) -> ScaledArray:
-    """Scale s**2 (exact for a power of two), data da**2."""
+    """Scale s**2 (exact for a power of two), data da**2; narrow data squared in float32 (see integer_pow)."""
+    if narrow_range(x.dtype):
+        square = scaled_product(P.square_p.bind(widen(x.data), **params), x.scale, x.scale)
+        return narrowed_within_range(square, x.dtype)
     return scaled_product(P.square_p.bind(x.data, **params), x.scale, x.scale)
 
 

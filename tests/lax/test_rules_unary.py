@@ -226,6 +226,20 @@ def test_negative_power_of_float16_data_with_small_entries_does_not_overflow():
     np.testing.assert_allclose(np.asarray(grad.to_array(jnp.float32)), jax.grad(nll)(sigma), rtol=1e-2)
 
 
+@pytest.mark.parametrize("square", [lax.square, lambda a: a**2], ids=["square", "integer_pow"])
+@pytest.mark.parametrize("policy", [STATIC_POLICY, jsa.RescalePolicy()], ids=["static", "default"])
+def test_square_of_float16_data_far_from_unit_size_does_not_overflow(square, policy):
+    """Data 2**9 from unit size square past float16's range; the square is computed in
+    float32 and its scale raised as far as its largest entry needs (plain float16 holds
+    these values: 0.25**2)."""
+    data = np.array([512.0, -384.0, 3.0, 0.5], np.float32)
+    x = jsa.ScaledArray(jnp.asarray(data, jnp.float16), jnp.float32(2.0**-11))
+    out = jsa.scalify(square, policy=policy)(x)
+    assert out.dtype == jnp.float16 and np.all(np.isfinite(np.asarray(out.data, np.float32)))
+    assert _scale(out) >= 2.0**-22
+    np.testing.assert_allclose(_value(out), (data * 2.0**-11) ** 2, rtol=1e-3)
+
+
 def test_log_of_large_data_and_small_scale_is_accurate():
     x = _scaled([1.5 * 2.0**20, 2.0**20, 3.0 * 2.0**21], -20, jnp.float32)
     out = jsa.scalify(jnp.log)(x)
