@@ -357,26 +357,33 @@ def _carry_rule(
 ) -> tuple[ScaledArray, Any]:
     """On the data, in units of the parameter's scale, where its dtype rounds.
 
-    The applied update keeps the update's scale; the residual, at most half a unit in the
-    last place of the parameter, is stored at ``scale(param) * eps(param.dtype) / 2`` (a
-    static scale: no statistic). A parameter with scale 0 (asserted zero) takes the grid of
-    the update's scale, as the sum in ``apply_updates`` will.
+    The applied update keeps the update's scale, or takes ``scale(param) * eps(param.dtype)``
+    (the unit in the last place of parameter data in ``[1, 2)``) where that is larger; the
+    residual, at most half a unit in the last place of the parameter, is stored at
+    ``scale(param) * eps(param.dtype) / 2`` (static scales: no statistic). An update far
+    below the parameter's unit in the last place (a learning rate decayed towards 0) applies
+    whole units when its residual crosses half of one; at the update's own scale one unit
+    would be 2**17 in float16 data at a learning rate of 2**-20 (inf, and the weight with it:
+    an MLP with AdamW and a warmup-cosine schedule to 0 was NaN at step 3979 of 4000). A
+    parameter with scale 0 (asserted zero) takes the grid of the update's scale, as the sum
+    in ``apply_updates`` will.
     """
     f32 = lambda x: x.astype(WORK_DTYPE)  # noqa: E731
     update_scale = jnp.where(update.scale > 0, f32(update.scale), 1.0)
     grid = jnp.where(param.scale > 0, f32(param.scale), update_scale)
+    applied_scale = jnp.maximum(update_scale, grid * np.float32(jnp.finfo(param.dtype).eps))
     total = f32(update.data) * f32(update.scale) + f32(residual.data) * f32(residual.scale)
     param_units = f32(param.data) * (f32(param.scale) / grid)
     target_units = (param_units + total / grid).astype(param.dtype)
     applied_units = f32(target_units) - param_units
-    applied = (applied_units * (grid / update_scale)).astype(update.dtype)
-    left = total - f32(applied) * update_scale
+    applied = (applied_units * (grid / applied_scale)).astype(update.dtype)
+    left = total - f32(applied) * applied_scale
     if np.ndim(left) == 0:
-        return ScaledArray(applied, update_scale), left.astype(residual_dtype)
+        return ScaledArray(applied, applied_scale), left.astype(residual_dtype)
     half_ulp = np.float32(jnp.finfo(param.dtype).eps / 2)
     residual_scale = jnp.clip(grid * half_ulp, jnp.finfo(WORK_DTYPE).tiny, jnp.finfo(WORK_DTYPE).max)
     residual = ScaledArray((left / residual_scale).astype(residual_dtype), residual_scale)
-    return ScaledArray(applied, update_scale), mark_rescaled(residual)  # its bound is its scale
+    return ScaledArray(applied, applied_scale), mark_rescaled(residual)  # its bound is its scale
 
 
 def _compensated_leaf(update: Any, residual: Any, param: Any, dtype: np.dtype) -> tuple[Any, Any]:

@@ -576,6 +576,30 @@ def test_updates_below_half_an_ulp_of_float16_weights_are_carried_not_dropped():
     np.testing.assert_array_equal(sgd_on_float16_ones(1e-4, 20, compensate=False), 1.0)
 
 
+def test_a_carried_unit_applied_at_a_tiny_learning_rate_stays_finite():
+    """The tail of a schedule decaying to 0: the update's scale follows its RMS (one entry of
+    16,384 at 2**-20: scale 2**-27), and when the residual crosses half an ulp the whole ulp
+    applied (2**-10) was 2**17 in float16 data at that scale: inf, and the weight with it."""
+    schedule = lambda count: jnp.where(count == 0, 2.0**-11, 2.0**-20)  # noqa: E731
+    tx = scale_state(optax.sgd(schedule), jnp.float16)
+    params = jsa.tree.astype(jsa.as_scaled_array({"w": jnp.full((16384,), 1.5)}), jnp.float16)
+
+    @jax.jit
+    @jsa.scalify
+    def step(params, state):
+        grads = jax.grad(lambda p: p["w"][0])(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    for _ in range(2):
+        params, state = step(params, state)
+    w = np.asarray(jsa.asarray(params)["w"], np.float32)
+    assert w[0] == np.float16(1.5 - 2.0**-10) and np.all(w[1:] == 1.5)  # float32: 1.4995108, rounded
+    residual = np.asarray(jsa.asarray(state.residual)["w"], np.float32)
+    np.testing.assert_allclose(residual[0], 1.5 - 2.0**-11 - 2.0**-20 - w[0], rtol=1e-3)
+
+
 @pytest.mark.slow  # 20 s: three trainings; the unit test above covers the residual by default
 def test_a_small_learning_rate_trains_float16_weights_like_float32():
     """Adam at 3e-5 for 40 steps: without the residual, float16 weights take 30% of float32's
