@@ -89,6 +89,14 @@ class RescalePolicy:
             ``x * x`` of float16/FP8 data is computed in float32 and narrowed with its
             largest entry bounded. Products of independent values (activations and weights)
             are left static.
+        fp8_casts: rescale a value cast from wider data to an 8-bit float (the forward
+            and backward casts of ``jsa.nn.linear``, ``jsa.nn.cast_dot_general``,
+            ``jsa.ops.cast_on_forward``...) by the statistic of all its data, its largest
+            entry kept at most half the format's largest power of two, as per-tensor FP8
+            recipes do: one reduction of the tensor per cast. Static scales estimate a
+            sum of ``K`` terms as ``sqrt(K)`` terms; positive, correlated ReLU activations
+            add up like ``K``, and their data grew 2**4 per layer until ``float8_e4m3fn``,
+            which has no inf, turned them into NaN (an Equinox CNN in FP8 at step 34).
         norm: the statistic moved into the scale: ``"l2"`` (root mean square, the
             default), ``"l1"`` (mean absolute value) or ``"max"`` (maximum absolute value).
             It is rounded to a power of two with the configured rounding mode.
@@ -109,11 +117,12 @@ class RescalePolicy:
     loop_carries: bool = True
     outputs: bool = True
     self_products: bool = True
+    fp8_casts: bool = True
     norm: str = "l2"
     sample_size: int | None = 1024
 
     def __post_init__(self):
-        for field in ("gradients", "loop_carries", "outputs", "self_products"):
+        for field in ("gradients", "loop_carries", "outputs", "self_products", "fp8_casts"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"RescalePolicy.{field} must be True or False, got {getattr(self, field)!r}.")
         if self.norm not in _NORMS:
@@ -125,11 +134,11 @@ class RescalePolicy:
     @classmethod
     def static(cls) -> RescalePolicy:
         """The paper's pure static propagation: no automatic rescale anywhere."""
-        return cls(gradients=False, loop_carries=False, outputs=False, self_products=False)
+        return cls(gradients=False, loop_carries=False, outputs=False, self_products=False, fp8_casts=False)
 
     @property
     def is_static(self) -> bool:
-        return not (self.gradients or self.loop_carries or self.outputs or self.self_products)
+        return not (self.gradients or self.loop_carries or self.outputs or self.self_products or self.fp8_casts)
 
 
 DEFAULT_POLICY = RescalePolicy()
@@ -242,6 +251,20 @@ def rescale_into_narrow(x: Any, dtype: Any) -> Any:
     from ..ops.rescaling import rescaled_into_narrow
 
     return mark_rescaled(rescaled_into_narrow(x, dtype, active_policy().norm))
+
+
+def rescales_cast(x: Any, dtype: Any) -> bool:
+    """Whether a cast of ``x`` to the floating ``dtype`` goes through :func:`rescale_into_narrow` (``fp8_casts``).
+
+    Casts of traced data wider than 8 bits into an 8-bit float, under the ``fp8_casts`` policy.
+    """
+    return (
+        active_policy().fp8_casts
+        and np.dtype(dtype).itemsize == 1
+        and np.dtype(x.dtype).itemsize > 1
+        and is_rescalable(x)
+        and not is_numpy(x.data)
+    )
 
 
 def rescale_operand(x: Any) -> Any:

@@ -33,7 +33,9 @@ from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.policy import (
     active_policy,
     mark_rescaled,
+    rescale_into_narrow,
     rescale_self_product,
+    rescales_cast,
     rescales_in_backward_pass,
     was_rescaled,
 )
@@ -388,10 +390,13 @@ def scaled_convert_element_type(x: ScaledArray, *, new_dtype: Any, **params) -> 
 
     Casting the data keeps values outside the new dtype's range (e.g. 2**30 to float16)
     right, which is the point of FP16/FP8 data with a float32 scale. The cast of a value the
-    rescale policy has just rescaled counts as rescaled too.
+    rescale policy has just rescaled counts as rescaled too. A cast of wider data into an
+    8-bit float is rescaled from all its data first, under the policy's ``fp8_casts``.
     """
     if not isinstance(x, ScaledArray):  # int -> float reaches a rule only beside scaled inputs
         return P.convert_element_type_p.bind(x, new_dtype=new_dtype, **params)
+    if is_floating_dtype(new_dtype) and rescales_cast(x, new_dtype):
+        return rescale_into_narrow(x, new_dtype)
     if is_floating_dtype(new_dtype):
         out = ScaledArray(_bind(P.convert_element_type_p, x, new_dtype=new_dtype, **params), as_scale(x.scale))
         return mark_rescaled(out) if was_rescaled(x) else out  # the data's size is unchanged

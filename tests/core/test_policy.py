@@ -38,8 +38,10 @@ def test_default_and_static_presets():
     default = jsa.RescalePolicy()
     assert default.gradients and default.loop_carries and default.outputs and default.norm == "l2"
     assert not default.is_static
-    assert default.self_products
-    assert STATIC.is_static and not (STATIC.gradients or STATIC.loop_carries or STATIC.outputs or STATIC.self_products)
+    assert default.self_products and default.fp8_casts
+    assert STATIC.is_static and not (
+        STATIC.gradients or STATIC.loop_carries or STATIC.outputs or STATIC.self_products or STATIC.fp8_casts
+    )
     assert jsa.RescalePolicy is jsa.core.RescalePolicy
 
 
@@ -431,6 +433,36 @@ def test_a_jacobian_norm_penalty_through_four_gelu_layers_trains_in_float16():
     got = train(jsa.optim.scale_state(optax.adam(1e-3), jnp.float16), half(params), half)
     assert np.all(np.isfinite(got))
     assert abs(got[-10:].mean() / expected[-10:].mean() - 1) < 0.01, (got[-10:].mean(), expected[-10:].mean())
+
+
+def test_fp8_casts_of_activations_that_outgrow_their_static_scale_are_rescaled():
+    """Positive, correlated ReLU activations add up like ``K`` where the static rule expects
+    ``sqrt(K)``: their data grew 2**4 per layer (20, 383, 7672) and the fourth E4M3 cast was
+    NaN in every entry (``float8_e4m3fn`` has no inf), while plain FP8 casts of the same
+    values (at most 1.2) are finite. Under ``fp8_casts`` each cast is rescaled from all its
+    data, its largest entry bounded."""
+    k = 256
+    x = np.maximum(RNG.standard_normal((32, k)), 0).astype(np.float32)
+    ws = [((0.5 * RNG.standard_normal((k, k)) + 0.85) / (0.68 * k)).astype(np.float32) for _ in range(4)]
+
+    def net(x, ws):
+        for w in ws:
+            x = jax.nn.relu(jsa.nn.linear(x, w, fwd_dtype=jnp.float8_e4m3fn, bwd_dtype=jnp.float8_e5m2))
+        return jnp.mean(x.astype(jnp.float32) ** 2)
+
+    expected = jax.value_and_grad(net, argnums=1)(x, ws)
+    inputs = (
+        jsa.tree.astype(jsa.as_scaled_array(x), jnp.float16),
+        [jsa.ScaledArray(jnp.asarray(w * 2.0**8, jnp.float16), np.float32(2.0**-8)) for w in ws],
+    )
+    loss, grads = jax.jit(jsa.scalify(jax.value_and_grad(net, argnums=1)))(*inputs)
+    np.testing.assert_allclose(float(loss), float(expected[0]), rtol=0.1)
+    for got, want in zip(grads, expected[1]):
+        got = np.asarray(got.to_array(jnp.float32))
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, want, rtol=0, atol=0.15 * np.abs(want).max())
+    no_guard = jax.jit(jsa.scalify(net, policy=jsa.RescalePolicy(fp8_casts=False)))(*inputs)
+    assert not np.isfinite(float(no_guard.to_array(jnp.float32)))
 
 
 def test_a_zero_cotangent_through_deep_gelu_layers_keeps_a_finite_scale():

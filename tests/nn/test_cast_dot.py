@@ -129,10 +129,15 @@ def test_under_scalify_the_casts_act_on_the_data():
     lhs, rhs, _ = operands(*DIMS[1][1:])
     a = jsa.ScaledArray(jnp.asarray(lhs), jnp.float32(2.0**30))  # values far outside E4M3's range
     b = jsa.ScaledArray(jnp.asarray(rhs), jnp.float32(2.0**-40))
-    out = jsa.scalify(lambda a, b: nn.dot_general(a, b, dims, **FP8))(a, b)
+    matmul = lambda a, b: nn.dot_general(a, b, dims, **FP8)  # noqa: E731
+    out = jsa.scalify(matmul, policy=jsa.RescalePolicy(fp8_casts=False))(a, b)
     assert_pow2_scales(out)
     expected = lax.dot_general(q(lhs, E4M3), q(rhs, E4M3), dims) * 2.0**-10
     np.testing.assert_allclose(out.to_array(), expected, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
+    # Under the default policy the casts read data rescaled to unit RMS (fp8_casts): E4M3 rounding.
+    rescaled = jsa.scalify(matmul)(a, b)
+    exact = lax.dot_general(lhs, rhs, dims) * 2.0**-10
+    np.testing.assert_allclose(rescaled.to_array(), exact, rtol=0, atol=0.1 * float(jnp.max(jnp.abs(exact))))
 
 
 def test_cast_dot_general_is_hashable_and_compares_by_formats():

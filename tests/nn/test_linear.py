@@ -91,10 +91,14 @@ def test_preferred_element_type_and_dtypes():
 def test_under_scalify_fp8_matmul_on_scaled_data():
     x = jsa.ScaledArray(jnp.asarray(X * 2**20), jnp.float32(2.0**-20))  # data far outside E4M3's range
     w = jsa.as_scaled_array(jnp.asarray(W * 2.0**-30))
-    out = jsa.scalify(lambda x, w: nn.linear(x, w, **FP8))(x, w)
+    layer = lambda x, w: nn.linear(x, w, **FP8)  # noqa: E731
+    out = jsa.scalify(layer, policy=jsa.RescalePolicy(fp8_casts=False))(x, w)  # the casts act on the data
     assert_pow2_scales(out)
     expected = q(X * 2**20, E4M3) * 2.0**-20 @ (np.asarray(w.data.astype(E4M3), np.float32) * float(w.scale))
     np.testing.assert_allclose(out.to_array(), expected, rtol=1e-5, atol=1e-5 * np.max(np.abs(expected)))
+    rescaled = jsa.scalify(layer)(x, w)  # fp8_casts: on the data rescaled to unit RMS first
+    exact = X @ (W * 2.0**-30)
+    np.testing.assert_allclose(rescaled.to_array(), exact, rtol=0, atol=0.1 * np.max(np.abs(exact)))
 
 
 def _mlp(params, x, **kwargs):
