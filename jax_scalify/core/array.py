@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -474,6 +475,47 @@ def _outer_transformation(x: Any) -> str | None:
     if not isinstance(x, jax.core.Tracer):
         return None
     return _INNER_ONLY_TRACERS.get(type(x).__name__)
+
+
+def _is_restored_scaled_array(x: Any) -> bool:
+    """A dict ``{"data": array, "scale": floating scalar}``: a ``ScaledArray`` restored without its type."""
+    if not (isinstance(x, dict) and set(x) == {"data", "scale"}):
+        return False
+    data, scale = x["data"], x["scale"]
+    return (
+        _is_array_like(data)
+        and _is_array_like(scale)
+        and np.ndim(scale) == 0
+        and is_floating_dtype(scale.dtype)
+        and is_floating_dtype(data.dtype)
+    )
+
+
+def warn_restored_scaled_arrays(tree: Any) -> None:
+    """Warn about dicts in ``tree`` that look like ``ScaledArray``s restored without their type.
+
+    ``orbax.checkpoint``'s restore without a target returns each ``ScaledArray`` as
+    ``{"data": ..., "scale": ...}`` (its pytree keys); passed to a scalified step, such a
+    dict is two independent arrays, and the step fails far from the cause or, where it
+    only maps over leaves (an optimizer update), updates the scale as if it were a value.
+    A warning, not an error: a model may have parameters named so.
+    """
+    paths = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: is_scaled_leaf(x) or _is_restored_scaled_array(x)
+    )[0]
+    for path, leaf in paths:
+        if _is_restored_scaled_array(leaf):
+            head = "args" if getattr(path[0], "idx", None) == 0 else "kwargs"
+            name = head + jax.tree_util.keystr(path[1:]) if isinstance(tree, tuple) else jax.tree_util.keystr(path)
+            warnings.warn(
+                f"jsa.scalify: the input at {name} is a dict with keys 'data' and 'scale', as "
+                "orbax.checkpoint's restore without a target returns a ScaledArray. Restore with "
+                "the abstract target tree (docs/pytrees.md, Checkpoints), or rebuild it with "
+                "jsa.ScaledArray(**d) (jax.tree.map(lambda d: jsa.ScaledArray(**d), tree, "
+                "is_leaf=lambda x: isinstance(x, dict) and set(x) == {'data', 'scale'})).",
+                stacklevel=5,
+            )
+            return
 
 
 def _leaf_name(tree: Any, index: int) -> str:

@@ -38,7 +38,15 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, jaxprs_i
 
 from . import constants
 from . import policy as rescale_policy
-from .array import ScaledArray, check_scalify_inputs, evaluating_rules, is_floating_dtype, is_scaled_leaf, unscaled
+from .array import (
+    ScaledArray,
+    check_scalify_inputs,
+    evaluating_rules,
+    is_floating_dtype,
+    is_scaled_leaf,
+    unscaled,
+    warn_restored_scaled_arrays,
+)
 from .policy import RescalePolicy
 from .promotion import any_scale_array, is_any_scale, promote
 from .registry import RegisteredRule, ScaledPrimitiveType, registered_rule
@@ -255,6 +263,7 @@ def _cached_trace(cache, fun, in_tree, leaves, dynamic) -> tuple[ClosedJaxpr, An
     if key in cache:
         cache.move_to_end(key)
         return cache[key]
+    warn_restored_scaled_arrays(jax.tree.unflatten(in_tree, leaves))
     traced = _trace_on_data(fun, in_tree, leaves, dynamic)
     if not any(isinstance(c, jax.core.Tracer) for c in traced[0].consts):
         cache[key] = traced

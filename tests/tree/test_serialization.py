@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +87,13 @@ def test_orbax_restore_without_target_names_data_and_scale(tmp_path):
     rebuilt = jsa.ScaledArray(**restored["w"])
     np.testing.assert_array_equal(rebuilt.data, w.data)
     np.testing.assert_array_equal(rebuilt.scale, w.scale)
+    # Passed to a scalified step as it is, the dict is named with what to do.
+    with pytest.warns(UserWarning, match=r"args\[0\]\['w'\] is a dict with keys 'data' and 'scale'.*target"):
+        with pytest.raises(TypeError):
+            jsa.scalify(lambda p, x: x @ p["w"])(restored, jnp.ones((2, 2), jnp.float16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jsa.scalify(lambda p, x: x @ p["w"])({"w": rebuilt}, jnp.ones((2, 2), jnp.float16))
 
 
 def test_key_paths_name_data_and_scale():
