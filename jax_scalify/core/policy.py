@@ -97,6 +97,7 @@ class RescalePolicy:
             sum of ``K`` terms as ``sqrt(K)`` terms; positive, correlated ReLU activations
             add up like ``K``, and their data grew 2**4 per layer until ``float8_e4m3fn``,
             which has no inf, turned them into NaN (an Equinox CNN in FP8 at step 34).
+            Plain arrays (not ``ScaledArray``) are cast as in plain JAX.
         norm: the statistic moved into the scale: ``"l2"`` (root mean square, the
             default), ``"l1"`` (mean absolute value) or ``"max"`` (maximum absolute value).
             It is rounded to a power of two with the configured rounding mode.
