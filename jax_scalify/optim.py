@@ -371,7 +371,8 @@ def _carry_rule(
     f32 = lambda x: x.astype(WORK_DTYPE)  # noqa: E731
     update_scale = jnp.where(update.scale > 0, f32(update.scale), 1.0)
     grid = jnp.where(param.scale > 0, f32(param.scale), update_scale)
-    applied_scale = jnp.maximum(update_scale, grid * np.float32(jnp.finfo(param.dtype).eps))
+    unit = grid * np.float32(jnp.finfo(param.dtype).eps)  # an ulp of parameter data in [1, 2)
+    applied_scale = jnp.maximum(update_scale, unit)
     total = f32(update.data) * f32(update.scale) + f32(residual.data) * f32(residual.scale)
     param_units = f32(param.data) * (f32(param.scale) / grid)
     target_units = (param_units + total / grid).astype(param.dtype)
@@ -380,8 +381,7 @@ def _carry_rule(
     left = total - f32(applied) * applied_scale
     if np.ndim(left) == 0:
         return ScaledArray(applied, applied_scale), left.astype(residual_dtype)
-    half_ulp = np.float32(jnp.finfo(param.dtype).eps / 2)
-    residual_scale = jnp.clip(grid * half_ulp, jnp.finfo(WORK_DTYPE).tiny, jnp.finfo(WORK_DTYPE).max)
+    residual_scale = jnp.clip(unit * np.float32(0.5), jnp.finfo(WORK_DTYPE).tiny, jnp.finfo(WORK_DTYPE).max)
     residual = ScaledArray((left / residual_scale).astype(residual_dtype), residual_scale)
     return ScaledArray(applied, applied_scale), mark_rescaled(residual)  # its bound is its scale
 

@@ -505,10 +505,8 @@ def warn_restored_scaled_arrays(tree: Any) -> None:
     )[0]
     for path, leaf in paths:
         if _is_restored_scaled_array(leaf):
-            head = "args" if getattr(path[0], "idx", None) == 0 else "kwargs"
-            name = head + jax.tree_util.keystr(path[1:]) if isinstance(tree, tuple) else jax.tree_util.keystr(path)
             warnings.warn(
-                f"jsa.scalify: the input at {name} is a dict with keys 'data' and 'scale', as "
+                f"jsa.scalify: the input at {_path_name(tree, path)} is a dict with keys 'data' and 'scale', as "
                 "orbax.checkpoint's restore without a target returns a ScaledArray. Restore with "
                 "the abstract target tree (docs/pytrees.md, Checkpoints), or rebuild it with "
                 "jsa.ScaledArray(**d) (jax.tree.map(lambda d: jsa.ScaledArray(**d), tree, "
@@ -523,7 +521,11 @@ def _leaf_name(tree: Any, index: int) -> str:
     if tree is None:
         return f"input leaf {index}"
     paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_scaled_leaf)[0]
-    path = paths[index][0]
+    return _path_name(tree, paths[index][0])
+
+
+def _path_name(tree: Any, path: tuple) -> str:
+    """``args[0]['w']``-style name of ``path`` in ``tree`` (an ``(args, kwargs)`` pair or any pytree)."""
     if isinstance(tree, tuple) and len(tree) == 2 and path:
         head = "args" if getattr(path[0], "idx", None) == 0 else "kwargs"
         return head + jax.tree_util.keystr(path[1:])

@@ -395,9 +395,9 @@ def scaled_convert_element_type(x: ScaledArray, *, new_dtype: Any, **params) -> 
     """
     if not isinstance(x, ScaledArray):  # int -> float reaches a rule only beside scaled inputs
         return P.convert_element_type_p.bind(x, new_dtype=new_dtype, **params)
-    if is_floating_dtype(new_dtype) and rescales_cast(x, new_dtype):
-        return rescale_into_narrow(x, new_dtype)
     if is_floating_dtype(new_dtype):
+        if rescales_cast(x, new_dtype):
+            return rescale_into_narrow(x, new_dtype)
         out = ScaledArray(_bind(P.convert_element_type_p, x, new_dtype=new_dtype, **params), as_scale(x.scale))
         return mark_rescaled(out) if was_rescaled(x) else out  # the data's size is unchanged
     return P.convert_element_type_p.bind(to_float32_value(x), new_dtype=new_dtype, **params)

@@ -40,7 +40,6 @@ from .base_scaling import (
     on_value,
     scale_capped_at_one,
     scaled_power,
-    scaled_product,
     select,
     unit_scale,
     widen,
@@ -132,19 +131,20 @@ def scaled_integer_pow(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     """
     if abs(y) >= 3 and active_policy().self_products:
         x = rescale_operand(x)
-    if (y < 0 or y == 2) and narrow_range(x.dtype):
-        power = scaled_power(P.integer_pow_p.bind(widen(x.data), y=y, **params), x.scale, y)
-        return narrowed_within_range(power, x.dtype)
-    return scaled_power(P.integer_pow_p.bind(x.data, y=y, **params), x.scale, y)
+    return _power(x, lambda d: P.integer_pow_p.bind(d, y=y, **params), y, in_float32=y < 0 or y == 2)
 
 
 @register_scaled_lax_op
 def scaled_square(x: ScaledArray, **params) -> ScaledArray:
     """Scale s**2 (exact for a power of two), data da**2; narrow data squared in float32 (see integer_pow)."""
-    if narrow_range(x.dtype):
-        square = scaled_product(P.square_p.bind(widen(x.data), **params), x.scale, x.scale)
-        return narrowed_within_range(square, x.dtype)
-    return scaled_product(P.square_p.bind(x.data, **params), x.scale, x.scale)
+    return _power(x, lambda d: P.square_p.bind(d, **params), 2, in_float32=True)
+
+
+def _power(x: ScaledArray, power_of: Callable[[Any], Any], y: int, in_float32: bool) -> ScaledArray:
+    """Scale s**y, data ``power_of(d)``; with ``in_float32``, narrow data are raised in float32 and narrowed within range."""
+    if in_float32 and narrow_range(x.dtype):
+        return narrowed_within_range(scaled_power(power_of(widen(x.data)), x.scale, y), x.dtype)
+    return scaled_power(power_of(x.data), x.scale, y)
 
 
 @register_scaled_lax_op
