@@ -101,9 +101,9 @@ class RescalePolicy:
         norm: the statistic moved into the scale: ``"l2"`` (root mean square, the
             default), ``"l1"`` (mean absolute value) or ``"max"`` (maximum absolute value).
             It is rounded to a power of two with the configured rounding mode.
-        sample_size: the statistic is computed on a strided sample of at most about this
-            many elements of each tensor, and at most 32 along any axis (every axis sampled
-            with a regular stride); ``None`` reads the whole tensor. A power of two only
+        sample_size: a tensor of at most this many elements is read whole; a larger one
+            on a strided sample of at most about this many elements, and at most 32 along
+            any axis (every axis sampled with a regular stride); ``None`` reads every tensor whole. A power of two only
             needs the order of magnitude, and reading every gradient and every state tensor
             once more would cost several passes over the model per step; the sample costs
             next to nothing, and its statistic compiles into one small kernel. A sample that

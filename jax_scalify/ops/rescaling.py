@@ -153,19 +153,27 @@ SAMPLE_AXIS_LIMIT = 32
 
 
 def strided_sample(data: Array, max_size: int | None) -> Array:
-    """At most about ``max_size`` elements of ``data``, and at most 32 along any axis: a strided grid (``None``: all).
+    """At most about ``max_size`` elements of ``data``, and at most 32 along any axis (``None``: all).
 
-    Each axis is sampled with its own stride (the largest axes first), so no reshape is
-    needed and a sharded array stays sharded the same way. XLA fuses the slice, and the
-    elementwise computation that produced ``data``, into the reduction that consumes the
-    sample: a statistic of the sample reads only the sampled elements. At most 32 entries
-    per axis keep that reduction one loop on XLA:CPU, which compiles a reduction with a
-    longer axis as a tree of kernels that materialise what they read (the tensor itself,
-    when it has other consumers): a rescaled tensor then costs one kernel instead of four
-    or five (``benchmarks/xla_cpu_costs.py``).
+    A tensor of at most ``max_size`` elements (not sharded in its type) is read whole, its
+    axes split into axes of at most 32 (a bias or a gain of 64 to 1,024 entries, where a
+    few units may carry the whole gradient: a strided sample could miss them, and reading
+    them all costs the same). A larger one is sampled on a strided grid: each axis with its
+    own stride (the largest axes first), so no reshape is needed and a sharded array stays
+    sharded the same way. XLA
+    fuses the slice, and the elementwise computation that produced ``data``, into the
+    reduction that consumes the sample: a statistic of the sample reads only the sampled
+    elements. At most 32 entries per axis keep that reduction one loop on XLA:CPU, which
+    compiles a reduction with a longer axis as a tree of kernels that materialise what they
+    read (the tensor itself, when it has other consumers): a rescaled tensor then costs one
+    kernel instead of four or five (``benchmarks/xla_cpu_costs.py``).
     """
     if max_size is None:
         return data
+    if data.size <= max_size and max(data.shape, default=0) > SAMPLE_AXIS_LIMIT and not _sharded_in_type(data):
+        grid = _short_axes(data.size)
+        if grid is not None:
+            return data.reshape(grid)
     counts = [min(dim, SAMPLE_AXIS_LIMIT) for dim in data.shape]
     while int(np.prod(counts)) > max_size:
         axis = int(np.argmax(counts))
@@ -174,6 +182,24 @@ def strided_sample(data: Array, max_size: int | None) -> Array:
         return data
     strides = tuple(-(-dim // count) if count else 1 for dim, count in zip(data.shape, counts))
     return jax.lax.slice(data, (0,) * data.ndim, data.shape, strides)
+
+
+def _sharded_in_type(data: Array) -> bool:
+    """Whether ``data``'s type names a mesh axis (explicit sharding), where a reshape would need an output sharding."""
+    spec = getattr(getattr(jax.typeof(data), "sharding", None), "spec", None)
+    return spec is not None and any(axis is not None for axis in spec)
+
+
+def _short_axes(size: int) -> tuple[int, ...] | None:
+    """A shape of ``size`` elements whose axes are at most 32 (largest factors first); None if a prime factor exceeds 32."""
+    axes = []
+    while size > SAMPLE_AXIS_LIMIT:
+        factor = next(f for f in range(SAMPLE_AXIS_LIMIT, 0, -1) if size % f == 0)
+        if factor == 1:
+            return None
+        axes.append(factor)
+        size //= factor
+    return (*axes, size)
 
 
 def rescale_scaled_array(x: ScaledArray, norm: Norm = "l2", sample_size: int | None = None) -> ScaledArray:

@@ -216,7 +216,20 @@ def test_grad_variant_pytree_with_integer_leaves():
 
 
 # --- the rescale policy's sampled statistics -----------------------------------------------------
-@pytest.mark.parametrize("shape", [(20,), (1000,), (784, 1024), (7, 5000), (4, 256, 768), (3, 3, 64, 128)])
+@pytest.mark.parametrize("shape", [(20,), (1000,), (64,), (4, 256), (8, 8, 16)])
+def test_policy_sample_reads_a_small_tensor_whole_in_axes_of_at_most_32(shape):
+    data = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    sample = np.asarray(strided_sample(jnp.asarray(data), 1024))
+    assert all(n <= 32 for n in sample.shape)
+    np.testing.assert_array_equal(sample.reshape(-1), data.reshape(-1))
+
+
+def test_policy_sample_of_a_small_tensor_with_a_prime_factor_above_32_is_strided():
+    data = np.arange(74, dtype=np.float32)  # 2 * 37: no axes of at most 32
+    np.testing.assert_array_equal(np.asarray(strided_sample(jnp.asarray(data), 1024)), data[::3])
+
+
+@pytest.mark.parametrize("shape", [(2000,), (784, 1024), (7, 5000), (4, 256, 768), (3, 3, 64, 128)])
 def test_policy_sample_is_a_strided_grid_of_at_most_32_per_axis(shape):
     data = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
     sample = np.asarray(strided_sample(jnp.asarray(data), 1024))
