@@ -60,7 +60,7 @@ class RescalePolicy:
             of any). Inside the backward pass, a plain array that meets scaled data (the
             loss's cotangent times plain inputs such as one-hot labels: ``1 / N`` sits in
             its values) is promoted with its statistic as scale instead of scale 1, and a
-            sum of float16/FP8 data (``reduce_sum``, ``cumsum``; not collectives) is accumulated in
+            sum of float16/FP8 data (``reduce_sum``, ``cumsum``, ``scatter-add``; not collectives) is accumulated in
             float32 and rescaled from its result before it is narrowed (the transposes of
             broadcasts add contributions that share a sign: up to ``K`` times a term, not
             the ``sqrt(K)`` of the static rule), and so is an elementwise sum (``add``,

@@ -24,8 +24,8 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.extend.core import primitives as P
 
-from ..core.array import ScaledArray
-from ..core.policy import mark_sparse
+from ..core.array import ScaledArray, narrow_range
+from ..core.policy import mark_sparse, rescales_in_backward_pass
 from ..core.promotion import is_any_scale
 from ..core.registry import primitive_of, register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
@@ -35,6 +35,8 @@ from .base_scaling import (
     bind_keep_scale,
     mul_data,
     rescale,
+    rescaled_and_narrowed,
+    widen,
     with_scalar_scale,
     zero_to_one,
 )
@@ -110,15 +112,38 @@ def scaled_scatter_add(operand: ScaledArray, indices: Array, updates: ScaledArra
     The number K of updates summed into one element is data-dependent (it is 1 for the
     gradient of a gather with distinct indices, the common case, and can reach the number of
     updates), so no unit-scaling factor is applied: the result is the sum at the common scale,
-    as for an add with a zero operand. Apply ``dynamic_rescale`` after it where K is large.
+    as for an add with a zero operand. In the backward pass float16/FP8 data are summed in
+    float32 and rescaled from the result (see ``_scatter_sum``).
     """
-    return _bind_scatter_aligned(P.scatter_add_p, operand, indices, updates, **params)
+    return _scatter_sum(P.scatter_add_p, operand, indices, updates, params)
 
 
 @register_scaled_op(scatter_sub_p)
 def scaled_scatter_sub(operand: ScaledArray, indices: Array, updates: ScaledArray, **params) -> ScaledArray:
     """As ``scatter_add``: operand and updates aligned to the largest scale, no sqrt(K) factor."""
-    return _bind_scatter_aligned(scatter_sub_p, operand, indices, updates, **params)
+    return _scatter_sum(scatter_sub_p, operand, indices, updates, params)
+
+
+def _scatter_sum(
+    prim: Primitive, operand: ScaledArray, indices: Array, updates: ScaledArray, params: dict
+) -> ScaledArray:
+    """A scatter-add or -sub; in the backward pass (``gradients`` policy), of float16/FP8 data accumulated in float32.
+
+    The gradient of a lookup (``table[ids]``, ``jnp.take``, ``nnx.Embed``) is a scatter-add of
+    every lookup's contribution into its row. Summed in float16, a row's running sum stops
+    taking contributions once it is about 2**11 times one of them (plain float16 JAX too):
+    with 8,192 lookups per row the gradient was half its value. As the backward pass's other
+    sums of narrow data, it is accumulated in float32, its statistic (whole tensor, largest
+    entry bounded) moved into the scale, and narrowed.
+    """
+    if not (narrow_range(updates.dtype) and rescales_in_backward_pass()):
+        return _bind_scatter_aligned(prim, operand, indices, updates, **params)
+    dtype = operand.dtype
+    (operand, updates), scale = align_to_largest([with_scalar_scale(operand), with_scalar_scale(updates)])
+    scatter = lax.scatter_add if prim is P.scatter_add_p else lax.scatter_sub  # builds its float32 update jaxpr
+    kept = {k: params[k] for k in ("dimension_numbers", "indices_are_sorted", "unique_indices", "mode")}
+    wide = scatter(widen(operand.data), indices, widen(updates.data), **kept)
+    return rescaled_and_narrowed(ScaledArray(wide, scale), dtype)
 
 
 @register_scaled_lax_op

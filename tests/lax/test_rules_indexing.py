@@ -117,6 +117,27 @@ def test_scatter_add_aligns_to_largest():
     np.testing.assert_array_equal(out.to_array(), [[3 * 32 + 0.125] * 2, [0.125] * 2, [32.125] * 2])
 
 
+@pytest.mark.parametrize("lookups", [2**12, 2**16])
+def test_lookup_gradient_with_many_lookups_per_row_is_summed_in_float32(lookups):
+    """The gradient of ``jnp.take`` is a scatter-add into the table's rows; with float16 data it
+    is accumulated in float32 in the backward pass. Summed in float16 (plain float16 JAX too)
+    a row stops taking contributions at about 2**11 of them: with 8,192 lookups per row the
+    gradient was half its value."""
+    rng = np.random.default_rng(0)
+    table = rng.uniform(-1e-4, 1e-4, (8, 2)).astype(np.float32)
+    ids = jnp.asarray(rng.integers(0, 8, lookups).astype(np.int32))
+    target = rng.uniform(0.2, 0.8, (lookups, 2)).astype(np.float32)
+
+    def loss(table, target):
+        return jnp.mean((jnp.take(table, ids, axis=0) - target) ** 2)
+
+    args = jsa.tree.astype(jsa.as_scaled_array((jnp.asarray(table), jnp.asarray(target))), jnp.float16)
+    grad = jax.jit(jsa.scalify(jax.grad(loss)))(*args)
+    rounded = [np.asarray(jnp.asarray(a, jnp.float16), np.float32) for a in (table, target)]
+    expected = np.asarray(jax.grad(loss)(*rounded))
+    np.testing.assert_allclose(np.asarray(grad.to_array(jnp.float32)), expected, rtol=2e-3)
+
+
 def test_scatter_mul_exact_with_repeated_and_missing_indices():
     """Row 0 is hit twice, row 1 never: the operand's scale is kept, updates applied by value."""
     x, u = _scaled(np.full((3, 2), 1.5), -20), _scaled(np.full((3, 2), 1.25), 3)
