@@ -501,7 +501,14 @@ def scale_state(
     Optimizers whose state must stay float32 (measured on the MLP of ``tests/programs``,
     60 steps): ``optax.contrib.mechanize`` keeps EMAs with betas up to 0.999999 and a copy of
     the initial parameters; any of its own fields below float32 and the loss stays at its
-    initial value (``init`` warns and gives the ``field_dtypes`` to use).
+    initial value (``init`` warns and gives the ``field_dtypes`` to use). Matrix statistics
+    that are inverted or raised to a negative power (Shampoo's ``G G^T`` and ``G^T G`` with
+    their inverse fourth roots, a transformation of the user's own): float16 rounds each
+    entry by about ``2**-11`` of the largest, comparable to the smallest eigenvalues, which
+    the inverse root weights most; a hand-written Shampoo on the digits MLP (200 steps) ended
+    11-21% above float32, within 0.1% with those fields in float32
+    (``field_dtypes={"stat_left": jnp.float32, "stat_right": jnp.float32}``, by the names the
+    state uses). No warning: the fields are the user's own.
 
     Line searches (``optax.lbfgs``, ``scale_by_zoom_linesearch``, ``scale_by_backtracking_linesearch``)
     keep the objective's value as a float32 scalar of the state, as every floating scalar is
