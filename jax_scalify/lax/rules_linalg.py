@@ -13,6 +13,11 @@ The ``1/r`` is an exact power-of-two multiply, applied where it costs least
 - never on the output when its dtype has a narrow range (float16, FP8) and an operand can
   take it, so that the unscaled sum cannot overflow the output dtype.
 
+Under the rescale policy's ``contractions`` (the default), the result of a forward
+contraction is then rescaled from its data: the ``sqrt(K)`` estimate is right for
+independent operands, and trained weights and positive activations are not
+(:func:`jax_scalify.core.policy.rescale_contraction`).
+
 Every param of the equation (``preferred_element_type``, precision, dimension numbers,
 groups, dilations, padding, sharding) is kept: the primitive is bound on the data with the
 equation's own params, so the output dtype is the plain primitive's.
@@ -29,7 +34,7 @@ import numpy as np
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
-from ..core.policy import rescale_self_product_operands
+from ..core.policy import rescale_contraction, rescale_self_product_operands
 from ..core.registry import register_scaled_lax_op
 from .base_scaling import (
     as_scale,
@@ -88,7 +93,7 @@ def _unit_scaled_contraction(lhs: Any, rhs: Any, fan_in: int, contract: Callable
     if target == _OUT:
         out = mul_data(out, inv_r)
     product = scaled_product(out, lhs_scale, rhs_scale)
-    return scaled_product(product.data, product.scale, r)
+    return rescale_contraction(scaled_product(product.data, product.scale, r))
 
 
 @register_scaled_lax_op
@@ -99,7 +104,8 @@ def scaled_dot_general(lhs: Any, rhs: Any, *, dimension_numbers, **params) -> Sc
     operands with a BF16/F32 result stay FP8 GEMMs); 1/r goes on the smaller 16-bit-or-wider
     operand or on the output, whichever is cheapest (see the module docstring). Operands that
     share one scale (``x @ x.T``) are first rescaled under the rescale policy's
-    ``self_products``: their product squares the data's departure from unit size.
+    ``self_products``: their product squares the data's departure from unit size. In the
+    forward pass the result is rescaled from its data under the policy's ``contractions``.
     """
     lhs, rhs = rescale_self_product_operands(lhs, rhs)
     (lhs_contracting, _), _ = dimension_numbers
@@ -124,7 +130,8 @@ def scaled_conv_general_dilated(lhs: Any, rhs: Any, *, dimension_numbers, **para
     Unit scaling of a sum of K products: the kernel's input-feature dim already counts the
     features of one group (feature_group_count), and with batch_group_count it counts the
     summed batch (weight gradients). Dilations, padding, groups and preferred_element_type are
-    kept; 1/r is placed as for dot_general.
+    kept; 1/r is placed as for dot_general, and the forward result is rescaled under the
+    policy's ``contractions`` as well.
     """
 
     def contract(a, b):
