@@ -101,8 +101,8 @@ class RescalePolicy:
             ``jax.lax.associative_scan`` or ``jnp.cumprod`` written as a parallel scan), the
             operands of such a contraction before it (``x @ x.T``, iterated in the
             Newton-Schulz orthogonalisation of Muon), and
-            the base of a power ``x ** y`` with ``|y| >= 3``, before the power; a square
-            ``x * x`` of float16/FP8 data is computed in float32 and narrowed with its
+            the base of a power ``x ** y`` with ``|y| >= 3``, before the power; such a
+            product of float16/FP8 data is computed in float32 and narrowed with its
             largest entry bounded. Products of independent values (activations and weights)
             are left static.
         fp8_casts: rescale a value cast from wider data to an 8-bit float (the forward
@@ -341,13 +341,19 @@ def was_rescaled(x: Any) -> bool:
     return _rescaled_by_policy().get(id(x)) is x
 
 
-def _share_scale(a: Any, b: Any) -> bool:
-    return isinstance(a, ScaledArray) and isinstance(b, ScaledArray) and a.scale is b.scale
+def is_self_product(a: Any, b: Any) -> bool:
+    """Whether the product of ``a`` and ``b`` is one the policy's ``self_products`` rescales: they share one scale object."""
+    return (
+        active_policy().self_products
+        and isinstance(a, ScaledArray)
+        and isinstance(b, ScaledArray)
+        and a.scale is b.scale
+    )
 
 
 def rescale_self_product(product: Any, a: Any, b: Any) -> Any:
     """``product = a * b`` rescaled if ``a`` and ``b`` share one scale object and the policy says so."""
-    return rescale(product) if _share_scale(a, b) and active_policy().self_products else product
+    return rescale(product) if is_self_product(a, b) else product
 
 
 def rescale_contraction(out: Any) -> Any:
@@ -368,7 +374,7 @@ def rescale_self_product_operands(a: Any, b: Any) -> tuple[Any, Any]:
     exponentially. Rescaling the operands before the contraction, rather than its result
     after, also keeps float16/FP8 products in range.
     """
-    if not (_share_scale(a, b) and active_policy().self_products):
+    if not is_self_product(a, b):
         return a, b
     if a is b:
         a = rescale_operand(a)
@@ -504,6 +510,7 @@ __all__ = [
     "in_backward_pass",
     "is_backward_equation",
     "is_rescalable",
+    "is_self_product",
     "is_sparse",
     "rescale",
     "rescale_all",

@@ -32,6 +32,7 @@ from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.policy import (
     active_policy,
+    is_self_product,
     mark_rescaled,
     rescale_into_narrow,
     rescale_self_product,
@@ -232,17 +233,20 @@ def scaled_mul(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     A broadcast scalar constant was promoted to a mantissa in [1, 2) and a power-of-two
     scale, so its exponent folds into the output scale. Operands that share one scale
     (``x * x``, slices of one array) square their data's departure from unit size: the
-    rescale policy's ``self_products`` rescales that product from its data. A square
-    ``x * x`` of float16/FP8 data is computed in float32 and narrowed with its scale raised
-    where its largest entry would overflow, since the narrow product itself may overflow:
-    float16 data of about 300, left by a quotient in ``jax.experimental.ode``'s step-size
-    estimate, squared to inf inside a norm whose value was 1e-7; rescaling the operand from
-    a sample first was not enough where a few entries of a long vector stood far above it.
+    rescale policy's ``self_products`` rescales that product from its data. Of float16/FP8
+    data such a product is computed in float32 and narrowed with its whole-tensor statistic,
+    its largest entry bounded, since the narrow product itself may overflow: float16 data of
+    about 300, left by a quotient in ``jax.experimental.ode``'s step-size estimate, squared
+    to inf inside a norm whose value was 1e-7; and the running products of a parallel scan's
+    decays (``exp(dt * A)``, mostly near 0 with a few near 1) put their largest entries
+    ever further above their RMS, level after level, until one product of two overflowed
+    (a Mamba-style LM at step 32). A rescale from a sample missed those entries.
     """
-    if a is b and narrow_range(a.dtype) and active_policy().self_products:
-        wide = ScaledArray(widen(a.data), a.scale)
-        square = scaled_product(_bind(P.mul_p, wide, wide, **params), a.scale, a.scale)
-        return rescaled_and_narrowed(square, a.dtype)
+    if narrow_range(a.dtype) and is_self_product(a, b):
+        wide_a = ScaledArray(widen(a.data), a.scale)
+        wide_b = wide_a if a is b else ScaledArray(widen(b.data), b.scale)
+        product = scaled_product(_bind(P.mul_p, wide_a, wide_b, **params), a.scale, b.scale)
+        return rescaled_and_narrowed(product, a.dtype)
     return rescale_self_product(scaled_product(_bind(P.mul_p, a, b, **params), a.scale, b.scale), a, b)
 
 

@@ -134,6 +134,28 @@ def test_a_parallel_scan_of_products_stays_finite_from_the_recipe_state(jit):
 SELF_PRODUCTS_ONLY = jsa.RescalePolicy(gradients=False, loop_carries=False, outputs=False)
 
 
+def test_running_products_of_selective_decays_stay_finite_in_float16():
+    """Mamba's decays ``exp(dt * A)`` with ``dt * A`` spread over orders of magnitude are mostly
+    near 0 and a few near 1: each level of the parallel scan squares how far the largest entries
+    stand above the RMS, and rescaled from a sample of their RMS, a product of two overflowed
+    float16 (NaN in a Mamba-style LM at step 32). Computed in float32 and narrowed with the
+    largest entry bounded, the running products follow float32."""
+    rng = np.random.default_rng(3)
+    decays = np.exp(-(10.0 ** rng.uniform(-3, 1.5, (64, 512)))).astype(np.float32)
+    inputs = rng.standard_normal((64, 512)).astype(np.float32)
+
+    def scan(a, x):
+        return jax.lax.associative_scan(lambda lo, hi: (lo[0] * hi[0], hi[0] * lo[1] + hi[1]), (a, x), axis=0)
+
+    recipe = lambda t: jsa.tree.astype(jsa.as_scaled_array(t), jnp.float16)  # noqa: E731
+    products, states = jax.jit(jsa.scalify(scan))(recipe(decays), recipe(inputs))
+    expected_products, expected_states = scan(decays, inputs)
+    products, states = np.asarray(jsa.asarray(products), np.float32), np.asarray(jsa.asarray(states), np.float32)
+    assert np.isfinite(products).all() and np.isfinite(states).all()
+    np.testing.assert_allclose(products, expected_products, rtol=0, atol=2e-3)
+    np.testing.assert_allclose(states, expected_states, rtol=0, atol=2e-2 * np.abs(expected_states).max())
+
+
 def test_only_products_of_operands_sharing_a_scale_are_rescaled():
     x, w = scaled(8 * X, -6), scaled(8 * X[:, ::-1], -6)  # data RMS 8: a square's is about 110
     square = jsa.scalify(lambda x: x * x, policy=SELF_PRODUCTS_ONLY)(x)
