@@ -5,15 +5,12 @@ learned real diagonal decay ``a = exp(-exp(log_nu))`` (LRU-style), the recurrenc
 
 from __future__ import annotations
 
-import functools
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 
-from . import data
-from .harness import Program, functional_call
+from . import eqx_char_lm
 
 WIDTH, STATE, SEQ, BATCH = 32, 64, 128, 8
 
@@ -62,33 +59,4 @@ class RecurrentLM(eqx.Module):
         return jax.vmap(self.head)(x)
 
 
-def init(seed, tx, fp8=False):
-    _, vocab = data.shakespeare()
-    model = RecurrentLM(vocab, jax.random.PRNGKey(seed))
-    return model, tx.init(eqx.filter(model, eqx.is_inexact_array))
-
-
-def make_train_step(tx, fp8=False):
-    def train_step(model, opt_state, tokens, targets):
-        def loss_fn(model):
-            logits = jax.vmap(model)(tokens)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
-        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
-        return loss, eqx.apply_updates(model, updates), opt_state
-
-    return train_step
-
-
-PROGRAM = Program(
-    name="lru_eqx",
-    make_optimizer=lambda: optax.adam(3e-3),
-    init=init,
-    make_train_step=make_train_step,
-    jit=eqx.filter_jit,
-    call=functional_call,
-    batches=functools.partial(data.text_batches, batch=BATCH, length=SEQ),
-    has_dense=False,
-    fp16_steps=60,
-)
+PROGRAM = eqx_char_lm.program("lru_eqx", RecurrentLM, lambda: optax.adam(3e-3), BATCH, SEQ, fp16_steps=60)

@@ -9,15 +9,12 @@ under static contraction scales."""
 
 from __future__ import annotations
 
-import functools
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 
-from . import data
-from .harness import Program, functional_call
+from . import eqx_char_lm
 
 WIDTH, INNER, STATE, DT_RANK, KERNEL, SEQ, BATCH = 32, 64, 8, 4, 4, 64, 8
 
@@ -80,33 +77,4 @@ class MambaLM(eqx.Module):
         return jax.vmap(self.head)(jax.vmap(self.final_norm)(x))
 
 
-def init(seed, tx, fp8=False):
-    _, vocab = data.shakespeare()
-    model = MambaLM(vocab, jax.random.PRNGKey(seed))
-    return model, tx.init(eqx.filter(model, eqx.is_inexact_array))
-
-
-def make_train_step(tx, fp8=False):
-    def train_step(model, opt_state, tokens, targets):
-        def loss_fn(model):
-            logits = jax.vmap(model)(tokens)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
-        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
-        return loss, eqx.apply_updates(model, updates), opt_state
-
-    return train_step
-
-
-PROGRAM = Program(
-    name="mamba_eqx",
-    make_optimizer=lambda: optax.adamw(3e-3),
-    init=init,
-    make_train_step=make_train_step,
-    jit=eqx.filter_jit,
-    call=functional_call,
-    batches=functools.partial(data.text_batches, batch=BATCH, length=SEQ),
-    has_dense=False,
-    fp16_steps=60,
-)
+PROGRAM = eqx_char_lm.program("mamba_eqx", MambaLM, lambda: optax.adamw(3e-3), BATCH, SEQ, fp16_steps=60)
