@@ -386,19 +386,20 @@ def _repeated_element(value: Any) -> np.ndarray | None:
     if isinstance(value, np.ndarray):  # NumPy arrays, JAX's array literals, folded values
         repeated = value.size == 1 or all(stride == 0 for stride, n in zip(value.strides, value.shape) if n > 1)
         return np.asarray(value[(0,) * value.ndim]) if value.size and repeated else None
-    if isinstance(value, jax.core.Tracer) or not hasattr(value, "dtype") or np.size(value) != 1:
-        return None
-    if jnp.issubdtype(value.dtype, jax.dtypes.extended):  # PRNG keys
-        return None
-    return np.asarray(value).reshape(())
+    if isinstance(value, np.generic):
+        return np.asarray(value)
+    return None
 
 
 def known_scalar(value: Any) -> np.ndarray | None:
     """The scalar that a value known at trace time repeats, at its exact value; None otherwise.
 
-    Known values are Python numbers, NumPy values (a jaxpr's literals and the values
+    Known values are Python numbers and NumPy values (a jaxpr's literals and the values
     :func:`fold` computes) whose elements are one scalar (size 1, or broadcast: zero
-    strides), and concrete (not traced) size-1 JAX arrays. The scalar is the exact value
+    strides). A JAX array is not, even a concrete one: called without an outer ``jax.jit``,
+    scalify evaluates its jaxpr on the concrete arrays passed in, and taking those as
+    constants would fold a step count or a learning rate into every jitted call inside the
+    step (``jsa.scalify(nnx.jit(step))``), compiling it again at each new value. The scalar is the exact value
     recorded for the value object (a constant of a narrow-float trace, a folded constant),
     else its own element. A value passed on unchanged (into a sub-jaxpr, a loop body, a
     branch) stays known: nothing has to be carried beside it.

@@ -68,6 +68,7 @@ class RegisteredRule:
 
 
 _RULES: dict[Primitive, RegisteredRule] = {}
+_generation = [0]  # bumped by every registration: compiled evaluations keyed on it go stale
 
 
 def _summary_of(rule: ScaledRule) -> str:
@@ -142,7 +143,13 @@ def register_scaled_op(
         unpromoted_inputs=bool(unpromoted_inputs),
         scalar_fn=_scalar_fn(primitive, scalar_preserving),
     )
+    _generation[0] += 1
     return rule
+
+
+def registry_generation() -> int:
+    """A number that changes with every registration: part of the key of anything compiled from the rules."""
+    return _generation[0]
 
 
 def lax_primitive(name: str) -> Primitive:

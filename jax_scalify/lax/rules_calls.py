@@ -40,7 +40,7 @@ from ..core.constants import constant_value, known_scalar
 from ..core.interpreter import eval_closed_jaxpr
 from ..core.policy import RescalePolicy, active_policy, in_backward_pass
 from ..core.promotion import is_any_scale
-from ..core.registry import lax_primitive, register_scaled_lax_op, register_scaled_op
+from ..core.registry import lax_primitive, register_scaled_lax_op, register_scaled_op, registry_generation
 
 jit_p = lax_primitive("jit")
 custom_jvp_call_p = lax_primitive("custom_jvp_call")
@@ -74,13 +74,15 @@ def _jitted_body(
     config: ScalifyConfig,
     policy: RescalePolicy,
     backward: bool,
+    rules: int,
 ):
     """One ``jax.jit`` per sub-jaxpr, :class:`_CallSignature`, configuration and policy context.
 
     JAX caches the trace of the returned function, so everything that changes what the
-    scaled body computes is in the key: the configuration, the active rescale policy and
+    scaled body computes is in the key: the configuration, the active rescale policy,
     whether the call is part of the backward pass (plain cotangents are promoted with
-    their statistic there; gradients are not rescaled inside it).
+    their statistic there; gradients are not rescaled inside it) and the generation of the
+    rule registry (a rule registered since compiles the body again).
     """
     baked = {
         i: (np.asarray(v, dtype), shape, np.asarray(e, e_dtype))
@@ -146,7 +148,7 @@ def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: 
         else:
             dynamic.append(arg)
     signature = _CallSignature(tuple(known), tuple(const_scales))
-    context = (get_scalify_config(), active_policy(), in_backward_pass())
+    context = (get_scalify_config(), active_policy(), in_backward_pass(), registry_generation())
     body = _jitted_body(jaxpr, name, inline, keep_unused, signature, *context)
     return body(*dynamic)
 

@@ -1,7 +1,9 @@
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend.core import Primitive, primitives
+from jax.interpreters import mlir
 
 import jax_scalify as jsa
 from jax_scalify.extend import (
@@ -110,6 +112,19 @@ def test_registering_again_replaces_the_whole_entry():
     register_scaled_op(prim, lambda x: x)
     entry = registered_rule(prim)
     assert not entry.unpromoted_inputs and entry.scalar_fn is None
+
+
+def test_a_rule_registered_again_reaches_jitted_calls_compiled_before():
+    """The scaled bodies of ``jax.jit`` calls are compiled once and cached: a rule registered
+    since must not be hidden behind the body compiled with the old one."""
+    prim = _fresh_primitive("rejit_double_for_test")
+    mlir.register_lowering(prim, mlir.lower_fun(lambda x: x * 2, multiple_results=False))
+    f = jsa.scalify(jax.jit(lambda x: prim.bind(x)), policy=jsa.RescalePolicy.static())
+    x = jsa.scaled_array(np.ones(2, np.float32), 1.0)
+    register_scaled_op(prim, lambda x: jsa.ScaledArray(prim.bind(x.data), x.scale))
+    assert float(f(x).scale) == 1.0
+    register_scaled_op(prim, lambda x: jsa.ScaledArray(x.data, x.scale * 2))
+    assert float(f(x).scale) == 2.0
 
 
 def test_scalar_preserving_true_is_the_identity_on_the_scalar():

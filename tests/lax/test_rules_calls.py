@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import jax_scalify as jsa
 from jax_scalify.lax import rules_calls
@@ -78,6 +79,52 @@ def test_repeated_eager_calls_reuse_the_compiled_jit():
     before = jsa.lax.rules_calls._jitted_body.cache_info().hits
     fn(x)
     assert jsa.lax.rules_calls._jitted_body.cache_info().hits > before
+
+
+def _count_xla_compiles(calls):
+    """The number of XLA compilations each of ``calls`` (thunks) triggers."""
+    compiles = []
+
+    def listener(name, secs, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    counts = []
+    try:
+        for call in calls:
+            before = len(compiles)
+            jax.block_until_ready(call())
+            counts.append(len(compiles) - before)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return counts
+
+
+def test_eager_calls_around_a_jitted_step_compile_it_once():
+    """``jsa.scalify(jax.jit(step))`` called without an outer jit: the step count and a learning
+    rate passed as a JAX array change at every call and must not be baked into the jitted body
+    (each call compiled it again: 15 s per step of an NNX transformer under ``nnx.jit``)."""
+    tx = optax.adam(1e-2)
+
+    def step(w, opt_state, lr, x):
+        grads = jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        updates, opt_state = tx.update(grads, opt_state, w)
+        return optax.apply_updates(w, jax.tree.map(lambda u: lr * u, updates)), opt_state
+
+    scaled_step, plain_step = jsa.scalify(jax.jit(step)), jax.jit(step)
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, 16))
+    w = jnp.ones((16, 16)) / 4
+    state = {"scaled": (jsa.as_scaled_array(w), tx.init(jsa.as_scaled_array(w))), "plain": (w, tx.init(w))}
+
+    def call(lr):
+        state["scaled"] = scaled_step(*state["scaled"], jnp.asarray(lr), x)
+        state["plain"] = plain_step(*state["plain"], jnp.asarray(lr), x)
+        return state["scaled"]
+
+    counts = _count_xla_compiles([functools.partial(call, lr) for lr in (1.0, 0.9, 0.8, 0.7)])
+    assert counts[1:] == [0, 0, 0], counts
+    np.testing.assert_allclose(np.asarray(state["scaled"][0].to_array()), np.asarray(state["plain"][0]), rtol=1e-5)
 
 
 def test_jit_body_bakes_constant_scales():
