@@ -257,9 +257,17 @@ def _check_stored(state: PyTree, storage: _Storage, outside_scalify: bool) -> No
     """The state must come from this transformation's ``init`` (or a previous ``update``)."""
 
     def check(path, x):
+        where = jax.tree_util.keystr(path)
+        if _is_floating(x) and np.ndim(x) == 0 and jnp.finfo(x.dtype).bits < 32:
+            raise ValueError(
+                f"jsa.optim.scale_state: the optimizer state leaf {where} is a {x.dtype} scalar. The "
+                "state's floating scalars (hyperparameters of optax.inject_hyperparams, step sizes) are "
+                "kept in float32, and a cast rounds them (b2 = 0.999 becomes 0.9990234375 in float16). "
+                "Pass the state returned by tx.init(params) as it is: cast the parameters, not the "
+                "optimizer state (jsa.tree.astype on the whole state casts its scalars too)."
+            )
         if not _is_narrowed(x):
             return
-        where = jax.tree_util.keystr(path)
         expected = storage.dtype_at(path)
         if outside_scalify and not isinstance(x, ScaledArray):
             raise ValueError(

@@ -679,3 +679,20 @@ def test_inner_state_passed_to_update_is_rejected_under_scalify():
     wrong_state = jsa.as_scaled_array(optax.adam(1e-3).init({"w": jnp.ones((2, 2))}))  # float32 data
     with pytest.raises(ValueError, match="storage dtype float16"):
         jsa.scalify(tx.update)(params, wrong_state, params)
+
+
+def test_a_state_whose_hyperparameters_were_cast_to_float16_is_rejected():
+    """``jsa.tree.astype`` on the whole state rounds the float32 scalars ``scale_state`` keeps
+    (an Equinox transformer's ``inject_hyperparams(adamw)``: b2 0.999 -> 0.9990234375, kept
+    rounded for good); the state as ``init`` returned it keeps them exact."""
+    tx = scale_state(optax.inject_hyperparams(optax.adamw)(learning_rate=3e-3, b2=0.999), jnp.float16)
+    params = jsa.tree.astype(jsa.as_scaled_array({"w": jnp.ones((2, 2))}), jnp.float16)
+    state = tx.init(params)
+    _, new_state = jax.jit(jsa.scalify(tx.update))(params, state, params)
+    hyperparams = new_state.inner.hyperparams
+    assert float(hyperparams["b2"]) == np.float32(0.999) and float(hyperparams["learning_rate"]) == np.float32(3e-3)
+    cast_state = jsa.tree.astype(jsa.as_scaled_array(state), jnp.float16)
+    with pytest.raises(ValueError, match=r"hyperparams\['b1'\] is a float16 scalar.*cast the parameters"):
+        tx.update(params, cast_state, params)
+    with pytest.raises(ValueError, match="float16 scalar"):
+        jsa.scalify(tx.update)(params, cast_state, params)

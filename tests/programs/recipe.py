@@ -48,9 +48,16 @@ def optimizer(tx: optax.GradientTransformation, dtype=FP16) -> optax.GradientTra
 def scale_state(state: Any, dtype=FP16) -> Any:
     """Parameters and optimizer state: each floating array a unit-scaled ``ScaledArray`` of ``dtype``.
 
-    ``ScaledArray`` leaves (already scaled) and non-floating leaves are returned unchanged.
+    ``ScaledArray`` leaves (the optimizer state ``scale_state`` stores), non-floating leaves and
+    floating scalars are returned unchanged: the README casts the parameters, not the state
+    ``tx.init`` returns, whose float32 scalars (``optax.inject_hyperparams``' hyperparameters)
+    a cast would round.
     """
-    return jax.tree.map(lambda x: _scaled(x, dtype) if is_floating_array(x) else x, state, is_leaf=jsa.is_scaled_leaf)
+
+    def scale(x):
+        return _scaled(x, dtype) if is_floating_array(x) and np.ndim(x) > 0 else x
+
+    return jax.tree.map(scale, state, is_leaf=jsa.is_scaled_leaf)
 
 
 def scale_batch(batch: Any, dtype=FP16) -> Any:
