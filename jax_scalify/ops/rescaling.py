@@ -180,14 +180,44 @@ def strided_sample(data: Array, max_size: int | None) -> Array:
         counts[axis] = -(-counts[axis] // 2)
     if tuple(counts) == data.shape:
         return data
-    strides = tuple(-(-dim // count) if count else 1 for dim, count in zip(data.shape, counts))
-    return jax.lax.slice(data, (0,) * data.ndim, data.shape, strides)
+    strides = [-(-dim // count) if count else 1 for dim, count in zip(data.shape, counts)]
+    for axis, devices in enumerate(_devices_along_axes(data)):
+        if devices > 1:
+            strides[axis] = _stride_within_shards(data.shape[axis] // devices, strides[axis])
+    return jax.lax.slice(data, (0,) * data.ndim, data.shape, tuple(strides))
+
+
+def _stride_within_shards(shard_size: int, stride: int) -> int:
+    """The smallest divisor of ``shard_size`` that is at least ``stride``: every shard then gives
+    the same number of sampled rows, so the sample's length along an axis sharded in the
+    array's type is a multiple of the number of devices, as explicit sharding requires (a
+    stride of 16 on 496 rows over 8 devices gives 31 rows, which it cannot type)."""
+    return next(d for d in range(min(max(stride, 1), shard_size), shard_size + 1) if shard_size % d == 0)
+
+
+def _sharding_spec(data: Array):
+    return getattr(getattr(jax.typeof(data), "sharding", None), "spec", None)
 
 
 def _sharded_in_type(data: Array) -> bool:
     """Whether ``data``'s type names a mesh axis (explicit sharding), where a reshape would need an output sharding."""
-    spec = getattr(getattr(jax.typeof(data), "sharding", None), "spec", None)
+    spec = _sharding_spec(data)
     return spec is not None and any(axis is not None for axis in spec)
+
+
+def _devices_along_axes(data: Array) -> list[int]:
+    """For each axis of ``data``, the number of devices its type shards it over (1 where it is not sharded in type)."""
+    sharding = getattr(jax.typeof(data), "sharding", None)
+    spec = _sharding_spec(data)
+    if spec is None:
+        return [1] * data.ndim
+    mesh_shape = dict(sharding.mesh.shape)
+    sizes = []
+    for axis in range(data.ndim):
+        names = spec[axis] if axis < len(spec) else None
+        names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+        sizes.append(int(np.prod([mesh_shape[name] for name in names], dtype=np.int64)))
+    return sizes
 
 
 def _short_axes(size: int) -> tuple[int, ...] | None:

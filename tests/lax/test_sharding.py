@@ -299,14 +299,18 @@ def fsdp_step(params, x):
     return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
 
-def test_reshard_fsdp_step_on_an_explicit_mesh():
+@pytest.mark.parametrize("fan_in", [16, 496])
+def test_reshard_fsdp_step_on_an_explicit_mesh(fan_in):
+    """``fan_in=496``: the rescale policy's strided sample of the sharded ``w`` (rows 0, 16, ...,
+    31 of them) could not be typed on 8 devices; it now takes a stride that divides each
+    device's 62 rows."""
     assert EXPLICIT.axis_types == (AxisType.Explicit,)
     rng = np.random.default_rng(0)
     with jax.set_mesh(EXPLICIT):
         sharded = NamedSharding(EXPLICIT, P("d"))
-        params = {"w": rng.standard_normal((16, 8)).astype(np.float32) / 4, "b": np.full((8,), 0.01, np.float32)}
-        params = jax.device_put(params, sharded)
-        x = jax.device_put(rng.standard_normal((32, 16)).astype(np.float32), sharded)
+        w = rng.standard_normal((fan_in, 8)).astype(np.float32) / np.sqrt(fan_in)
+        params = jax.device_put({"w": w, "b": np.full((8,), 0.01, np.float32)}, sharded)
+        x = jax.device_put(rng.standard_normal((32, fan_in)).astype(np.float32), sharded)
         ref_loss, ref_params = jax.jit(fsdp_step)(params, x)
         scaled_params = jsa.device_put(jsa.as_scaled_array(params), sharded)
         loss, new = jax.jit(jsa.scalify(fsdp_step))(scaled_params, jsa.as_scaled_array(x))
