@@ -17,7 +17,8 @@ The invariance checks of five programs and the short FP16 run of the NNX CNN (``
 part of the default test run; the GPT's invariance, the other short FP16 runs, the FP8 runs
 and the long FP16 runs are marked ``slow`` (run them with ``-m slow``), as are the checks of
 ``MORE_PROGRAMS`` (a Linen ResNet with BatchNorm statistics, a Linen LSTM, NNX LoRA, an
-Equinox parallel-scan recurrence, an Equinox selective state-space LM; an Equinox
+Equinox parallel-scan recurrence, an Equinox selective state-space LM, an NNX transformer
+whose layers are stacked by ``nnx.vmap`` and run by ``nnx.scan``; an Equinox
 convolutional autoencoder runs by default) and
 of the RealNVP flow.
 """
@@ -49,16 +50,20 @@ from . import (
     mlp_jax,
     recipe,
     resnet_linen,
+    transformer_nnx,
 )
 from .harness import Program, _as_jax, _leaf_errors, final_loss, invariance_errors, relative_excess, train
 
 PROGRAMS = [m.PROGRAM for m in (gpt_linen, cnn_nnx, gru_eqx, conv_eqx, diffusion_linen, mlp_jax)]
 # More idioms (invariance and short FP16 training): Linen BatchNorm with a mutable
 # batch_stats collection, Linen's nn.RNN over an LSTM cell, NNX LoRA, an Equinox linear
-# recurrence computed by jax.lax.associative_scan, a Mamba-style selective scan (these five in
-# the slow run only), and an Equinox convolutional autoencoder with a tanh GELU (small: in
-# the default run too).
-MORE_PROGRAMS = [m.PROGRAM for m in (resnet_linen, lstm_linen, lora_nnx, lru_eqx, mamba_eqx, autoencoder_eqx)]
+# recurrence computed by jax.lax.associative_scan, a Mamba-style selective scan, an NNX
+# transformer stacked by nnx.vmap and run by nnx.scan under nnx.remat (these six in the slow
+# run only), and an Equinox convolutional autoencoder with a tanh GELU (small: in the
+# default run too).
+MORE_PROGRAMS = [
+    m.PROGRAM for m in (resnet_linen, lstm_linen, lora_nnx, lru_eqx, mamba_eqx, transformer_nnx, autoencoder_eqx)
+]
 DEFAULT_MORE = ("autoencoder_eqx",)
 MORE = [p if p.name in DEFAULT_MORE else pytest.param(p, marks=pytest.mark.slow) for p in MORE_PROGRAMS]
 DENSE_PROGRAMS = [p for p in PROGRAMS if p.has_dense]
