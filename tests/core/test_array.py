@@ -73,6 +73,32 @@ def test_as_scaled_array_tree():
     assert jsa.as_scaled_array(out)["w"] is out["w"]
 
 
+def test_as_scaled_array_of_device_arrays_compiles_one_program_and_matches_numpy():
+    """The scales of a tree's JAX arrays are computed in one compiled program: op by op, each
+    array's operations were compiled per shape (65 compilations for this tree)."""
+    rng = np.random.default_rng(0)
+    host = {f"w{i}": (rng.standard_normal((8 + i, 4 + i)) * 10.0**i).astype(np.float32) for i in range(-3, 4)}
+    host["half"] = rng.standard_normal(5).astype(np.float16)
+    tree = {**jax.tree.map(jnp.asarray, host), "count": jnp.int32(3)}
+    compiles = []
+
+    def listener(name, secs, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        got = jsa.as_scaled_array(tree)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(compiles) <= 1, len(compiles)
+    assert got["count"] is tree["count"]
+    for key, value in host.items():
+        expected = jsa.as_scaled_array(value)  # NumPy: computed on the host
+        assert got[key].dtype == value.dtype and float(got[key].scale) == float(expected.scale)
+        np.testing.assert_array_equal(np.asarray(got[key].data), np.asarray(expected.data))
+
+
 def test_as_scaled_array_with_scale_and_zero_scalar():
     x = jsa.as_scaled_array(np.array([2.0, 4.0], np.float32), scale=np.float32(2.0))
     np.testing.assert_array_equal(x.data, [1.0, 2.0])
