@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 
 from . import data, recipe
-from .harness import Program, mean_loss
+from .harness import Program, mean_loss, nnx_call
 
 BATCH = 64
 
@@ -58,19 +58,13 @@ def train_step(model: CNN, optimizer: nnx.Optimizer, images, labels):
     return loss
 
 
-def call(compiled, state, batch):
-    model, optimizer = state
-    loss = compiled(model, optimizer, *batch)
-    return loss, (model, optimizer)
-
-
 PROGRAM = Program(
     name="cnn_nnx",
     make_optimizer=make_optimizer,
     init=init,
     make_train_step=lambda tx, fp8: train_step,
     jit=nnx.jit,
-    call=call,
+    call=nnx_call,
     batches=functools.partial(data.digit_batches, batch=BATCH),
     slow_steps=100,  # by 300 steps the training loss nears 0.01, too close to 0 for a relative 5% check
     slow_summary=mean_loss,  # SGD momentum at 0.05 on 1,437 digits: the path is chaotic by step 100

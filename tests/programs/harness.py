@@ -107,6 +107,12 @@ def functional_call(compiled: Callable, state: tuple, batch: Batch) -> tuple[Any
     return loss, tuple(new_state)
 
 
+def nnx_call(compiled: Callable, state: tuple, batch: Batch) -> tuple[Any, tuple]:
+    """The loop of a Flax NNX program: ``loss = step(model, optimizer, *batch)`` updates both in place."""
+    model, optimizer = state
+    return compiled(model, optimizer, *batch), (model, optimizer)
+
+
 # --- compiled steps, shared between tests ------------------------------------------------------
 @functools.cache
 def _setup(program: Program, mode: str) -> tuple[optax.GradientTransformation, Callable]:

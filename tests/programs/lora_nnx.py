@@ -10,7 +10,7 @@ import optax
 from flax import nnx
 
 from . import data
-from .harness import Program
+from .harness import Program, nnx_call
 
 BATCH, RANK = 64, 4
 
@@ -40,18 +40,13 @@ def train_step(model: LoRAMLP, optimizer: nnx.Optimizer, images, labels):
     return loss
 
 
-def call(compiled, state, batch):
-    model, optimizer = state
-    return compiled(model, optimizer, *batch), (model, optimizer)
-
-
 PROGRAM = Program(
     name="lora_nnx",
     make_optimizer=lambda: optax.adam(1e-2),
     init=init,
     make_train_step=lambda tx, fp8: train_step,
     jit=nnx.jit,
-    call=call,
+    call=nnx_call,
     batches=functools.partial(data.digit_batches, batch=BATCH),
     has_dense=False,
     fp16_steps=60,

@@ -25,7 +25,7 @@ from flax import nnx
 from flax.nnx.nn.attention import dot_product_attention_weights
 
 from . import data
-from .harness import Program
+from .harness import Program, nnx_call
 
 WIDTH, HEADS, LAYERS, SEQ, BATCH = 64, 4, 4, 64, 16
 
@@ -101,18 +101,13 @@ def train_step(model: CharTransformer, optimizer: nnx.Optimizer, tokens, targets
     return loss
 
 
-def call(compiled, state, batch):
-    model, optimizer = state
-    return compiled(model, optimizer, *batch), (model, optimizer)
-
-
 PROGRAM = Program(
     name="transformer_nnx",
     make_optimizer=make_optimizer,
     init=init,
     make_train_step=lambda tx, fp8: train_step,
     jit=nnx.jit,
-    call=call,
+    call=nnx_call,
     batches=functools.partial(data.text_batches, batch=BATCH, length=SEQ),
     has_dense=False,
     fp16_steps=60,
