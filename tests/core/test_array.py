@@ -7,6 +7,7 @@ import jax_scalify as jsa
 from jax_scalify import ScaledArray
 from jax_scalify.core.array import ScaleFacts
 from jax_scalify.core.promotion import any_scale_array
+from tests.compiles import count_xla_compiles
 
 
 def test_properties_and_value():
@@ -80,18 +81,9 @@ def test_as_scaled_array_of_device_arrays_compiles_one_program_and_matches_numpy
     host = {f"w{i}": (rng.standard_normal((8 + i, 4 + i)) * 10.0**i).astype(np.float32) for i in range(-3, 4)}
     host["half"] = rng.standard_normal(5).astype(np.float16)
     tree = {**jax.tree.map(jnp.asarray, host), "count": jnp.int32(3)}
-    compiles = []
-
-    def listener(name, secs, **kwargs):
-        if name == "/jax/core/compile/backend_compile_duration":
-            compiles.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        got = jsa.as_scaled_array(tree)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert len(compiles) <= 1, len(compiles)
+    got = {}
+    (compiles,) = count_xla_compiles([lambda: got.update(jsa.as_scaled_array(tree))])
+    assert compiles <= 1, compiles
     assert got["count"] is tree["count"]
     for key, value in host.items():
         expected = jsa.as_scaled_array(value)  # NumPy: computed on the host

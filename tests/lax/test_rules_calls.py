@@ -9,6 +9,7 @@ import optax
 
 import jax_scalify as jsa
 from jax_scalify.lax import rules_calls
+from tests.compiles import count_xla_compiles
 from tests.invariance import Case, invariance_test, normal
 
 
@@ -81,26 +82,6 @@ def test_repeated_eager_calls_reuse_the_compiled_jit():
     assert jsa.lax.rules_calls._jitted_body.cache_info().hits > before
 
 
-def _count_xla_compiles(calls):
-    """The number of XLA compilations each of ``calls`` (thunks) triggers."""
-    compiles = []
-
-    def listener(name, secs, **kwargs):
-        if name == "/jax/core/compile/backend_compile_duration":
-            compiles.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    counts = []
-    try:
-        for call in calls:
-            before = len(compiles)
-            jax.block_until_ready(call())
-            counts.append(len(compiles) - before)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    return counts
-
-
 def test_eager_calls_around_a_jitted_step_compile_it_once():
     """``jsa.scalify(jax.jit(step))`` called without an outer jit: the step count and a learning
     rate passed as a JAX array change at every call and must not be baked into the jitted body
@@ -122,7 +103,7 @@ def test_eager_calls_around_a_jitted_step_compile_it_once():
         state["plain"] = plain_step(*state["plain"], jnp.asarray(lr), x)
         return state["scaled"]
 
-    counts = _count_xla_compiles([functools.partial(call, lr) for lr in (1.0, 0.9, 0.8, 0.7)])
+    counts = count_xla_compiles([functools.partial(call, lr) for lr in (1.0, 0.9, 0.8, 0.7)])
     assert counts[1:] == [0, 0, 0], counts
     np.testing.assert_allclose(np.asarray(state["scaled"][0].to_array()), np.asarray(state["plain"][0]), rtol=1e-5)
 
