@@ -61,6 +61,9 @@ class _TraceState(threading.local):
 
 
 _trace_state = _TraceState()
+# The functions scalify returned, by identity: an attribute would not do, since JAX's
+# transformations copy the wrapped function's attributes (jax.grad(scalify(f)) is not scalified).
+_scalified_functions: weakref.WeakSet = weakref.WeakSet()
 EquationObserver = Callable[[JaxprEqn, list, list], None]
 
 
@@ -134,7 +137,7 @@ def scalify(
         raise TypeError(
             f"scalify expects a function, got {fun!r}; pass the policy as a keyword: scalify(f, policy=...)."
         )
-    if getattr(fun, "_jsa_scalified", False) and static_argnums is None and static_argnames is None:
+    if fun in _scalified_functions and static_argnums is None and static_argnames is None:
         return fun
     argnums, argnames = _static_arguments(fun, static_argnums, static_argnames)
     trace_cache: collections.OrderedDict = collections.OrderedDict()
@@ -148,8 +151,7 @@ def scalify(
             return graph_call.write_back(*outs)
         return _scalified_call(trace_cache, policy, fun, args, kwargs)
 
-    scalified._jsa_scalified = True
-    scalified._jsa_policy = policy
+    _scalified_functions.add(scalified)
     return scalified
 
 

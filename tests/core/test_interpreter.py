@@ -64,6 +64,19 @@ def test_scalify_is_idempotent_object():
     assert jsa.scalify(once) is once
 
 
+@pytest.mark.parametrize("transform", [jax.grad, jax.jacrev, jax.hessian, jax.vmap, jax.checkpoint])
+def test_a_transformation_of_a_scalified_function_is_scalified_again(transform):
+    """JAX's transformations copy the attributes of the function they wrap: scalify must not
+    take ``transform(scalify(f))`` for a function it returned and leave it unscalified."""
+
+    def loss(w):
+        return jnp.sum(jnp.tanh(w) ** 2)
+
+    w = np.random.default_rng(0).standard_normal(5).astype(np.float32)
+    got = jsa.scalify(transform(jsa.scalify(loss)))(scaled(w, 2.0**-6))
+    np.testing.assert_allclose(jsa.asarray(got), transform(loss)(w), rtol=2e-5, atol=1e-7)
+
+
 def test_nested_scalify_call_inside_traced_code():
     inner = jsa.scalify(lambda a: a * 2)
     out = jsa.scalify(lambda a: inner(a) + a)(scaled(X, 8.0))
