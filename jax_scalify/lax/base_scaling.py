@@ -432,7 +432,7 @@ def exact_root(x: ScaledArray, n: int, data_fn: Callable[[Array], Array], invers
     elif npapi is np:
         t = npapi.remainder(-pow2_exponent(scale), n)
         factor = _pow2_small(t, npapi)
-        data = data_fn(mul_data(x.data, 1 / factor))
+        data = _root_of_moved_data(x.data, 1 / factor, data_fn)
         out_scale = _snap_pow2(_root_of_product(scale, factor.astype(scale.dtype), n))
     else:
         data, out_scale = _traced_root(x, scale, n, data_fn)
@@ -440,6 +440,19 @@ def exact_root(x: ScaledArray, n: int, data_fn: Callable[[Array], Array], invers
         with np.errstate(divide="ignore"):  # the inverse root of an asserted zero is inf
             out_scale = 1 / out_scale
     return ScaledArray(data, as_scale(out_scale))
+
+
+def _root_of_moved_data(data: Array, inverse: Array, data_fn: Callable[[Array], Array]) -> Array:
+    """``data_fn(data * inverse)``, in float32 for narrow data.
+
+    ``inverse`` (``2**-t``) would round float16/FP8 data away at the bottom of their range
+    (the smallest subnormal halves to 0, whose square root has an infinite derivative), while
+    the root itself lands well inside it: float32 holds the moved data exactly.
+    """
+    if _wide(data.dtype):
+        return data_fn(mul_data(data, inverse))
+    moved = data.astype(jnp.float32) * jnp.asarray(inverse).astype(jnp.float32)
+    return data_fn(moved).astype(data.dtype)
 
 
 def _root_of_product(scale: Array, factor: Array, n: int) -> Array:
@@ -470,7 +483,7 @@ def _traced_root(x: ScaledArray, scale: Array, n: int, data_fn: Callable[[Array]
     for k in range(n - 2, -1, -1):
         factor = select(t == k, as_scale(factors[k]), factor)
         inverse = select(t == k, as_scale(inverses[k]), inverse)
-    data = data_fn(mul_data(x.data, inverse))
+    data = _root_of_moved_data(x.data, inverse, data_fn)
     out_scale = _root_of_product(scale, factor, n)
     if n != 2:  # cbrt is inexact; sqrt of a power of two with an even exponent is exact
         out_scale = _snap_pow2(out_scale)

@@ -43,7 +43,6 @@ from ..core.policy import (
 from ..core.pow2 import pow2_round_positive_or_one
 from ..core.registry import register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
-    align_to_largest,
     as_scale,
     constant_raises_scale,
     is_any_scale,
@@ -176,13 +175,41 @@ def _backward_sum_in_float32(prim: Primitive, a: ScaledArray, b: ScaledArray, sc
     return rescaled_and_narrowed(total, a.dtype)
 
 
-def _scaled_aligned(prim: Primitive, operands: Sequence[Any], params: dict) -> ScaledArray:
-    """``prim`` on the data of the floating operands aligned to their largest scale."""
+def _scaled_aligned(prim: Primitive, operands: Sequence[Any], params: dict, bounds: Sequence[int] = ()) -> ScaledArray:
+    """``prim`` on the data of the floating operands aligned to their largest scale.
+
+    ``bounds`` (for clamps: ``+1`` a lower bound, ``-1`` an upper bound, ``0`` neither, per
+    operand) round a trace-time constant moved to a larger scale in narrow data towards the
+    side that keeps it a bound, :func:`_bound_rescaled`.
+    """
     scaled = [x for x in operands if isinstance(x, ScaledArray)]
-    aligned, scale = align_to_largest(scaled)
-    it = iter(aligned)
-    inputs = [next(it) if isinstance(x, ScaledArray) else x for x in operands]
+    scale = largest_scale(scaled)
+    bounds = list(bounds) or [0] * len(operands)
+    inputs = [
+        _bound_rescaled(x, scale, bound) if isinstance(x, ScaledArray) else x for x, bound in zip(operands, bounds)
+    ]
     return ScaledArray(_bind(prim, *inputs, **params), scale)
+
+
+def _bound_rescaled(x: ScaledArray, scale: Array, bound: int) -> ScaledArray:
+    """``x`` rescaled to ``scale``; a narrow constant bound rounded up (``bound > 0``) or down (``< 0``).
+
+    A floor such as ``max(d2, 1e-8)`` on float16 data at scale 32 would round the constant's
+    data ``3e-10`` to 0, and ``sqrt`` of the floor would then have an infinite derivative:
+    rounded up, to the smallest subnormal, the result stays at least ``1e-8`` (a coarser
+    floor, never a lower one), as ``min`` keeps a rounded-down ceiling at most the constant.
+    Only trace-time constants (NumPy scales) are rounded so: their scale is usually far from
+    the tensor's, a tensor's data move by less than an ulp either way.
+    """
+    moved = rescale(x, scale)
+    if not bound or moved is x or is_any_scale(x) or not (is_numpy(x.scale) and narrow_range(x.dtype)):
+        return moved
+    exact = widen(x.data) * jnp.asarray(as_scale(x.scale) / as_scale(scale), jnp.float32)
+    rounded = exact.astype(x.dtype)
+    missed = rounded.astype(jnp.float32) < exact if bound > 0 else rounded.astype(jnp.float32) > exact
+    largest = float(jnp.finfo(x.dtype).max)  # not inf: float8_e4m3fn has none
+    towards = jnp.full(rounded.shape, largest if bound > 0 else -largest, x.dtype)
+    return ScaledArray(jnp.where(missed, lax.nextafter(rounded, towards), rounded), moved.scale)
 
 
 # --- sums ------------------------------------------------------------------------------------
@@ -300,20 +327,29 @@ def scaled_nextafter(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
 # --- selections and comparisons --------------------------------------------------------------
 @register_scaled_lax_op(scalar_preserving=_exact_scalar(np.maximum))
 def scaled_max(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
-    """Operands aligned to the largest scale (any-scale operands adopt it); max of the data."""
-    return _scaled_aligned(P.max_p, [a, b], params)
+    """Operands aligned to the largest scale (any-scale operands adopt it); max of the data.
+
+    A float16/FP8 constant operand is rounded up where it moves (a floor stays a floor).
+    """
+    return _scaled_aligned(P.max_p, [a, b], params, bounds=(1, 1))
 
 
 @register_scaled_lax_op(scalar_preserving=_exact_scalar(np.minimum))
 def scaled_min(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
-    """Operands aligned to the largest scale (any-scale operands adopt it); min of the data."""
-    return _scaled_aligned(P.min_p, [a, b], params)
+    """Operands aligned to the largest scale (any-scale operands adopt it); min of the data.
+
+    A float16/FP8 constant operand is rounded down where it moves (a ceiling stays a ceiling).
+    """
+    return _scaled_aligned(P.min_p, [a, b], params, bounds=(-1, -1))
 
 
 @register_scaled_lax_op
 def scaled_clamp(lo: ScaledArray, x: ScaledArray, hi: ScaledArray, **params) -> ScaledArray:
-    """Operands aligned to the largest scale (any-scale operands adopt it); clamp of the data."""
-    return _scaled_aligned(P.clamp_p, [lo, x, hi], params)
+    """Operands aligned to the largest scale (any-scale operands adopt it); clamp of the data.
+
+    Float16/FP8 constant bounds are rounded inwards where they move (``lo`` up, ``hi`` down).
+    """
+    return _scaled_aligned(P.clamp_p, [lo, x, hi], params, bounds=(1, 0, -1))
 
 
 @register_scaled_lax_op

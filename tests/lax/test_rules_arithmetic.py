@@ -168,6 +168,42 @@ def test_mul_by_zero_constant_is_zero():
     np.testing.assert_array_equal(_value(out), 0.0)
 
 
+BOUNDS = {
+    "floor": (lambda a, c: jnp.maximum(a, c), lambda v, c: v >= c),
+    "ceiling": (lambda a, c: jnp.minimum(a, -c), lambda v, c: v <= -c),
+    "clip": (lambda a, c: jnp.clip(a, c, 50.0), lambda v, c: (v >= c) & (v <= 50.0)),
+}
+
+
+@pytest.mark.parametrize("bound", BOUNDS)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2], ids=["f16", "e4m3", "e5m2"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_constant_bound_on_narrow_data_at_a_larger_scale_stays_a_bound(bound, dtype, jit):
+    """Aligned to the tensor's scale, a tiny constant's narrow data round to 0 at nearest: a
+    floor ``max(x, 1e-8)`` must stay above 0 (and at least the constant), a ceiling below."""
+    fn, holds = BOUNDS[bound]
+    x = jsa.ScaledArray(jnp.asarray([0.0, 0.5, 1.0, 3.0], dtype), jnp.float32(32.0))
+    for c in (1e-12, 1e-8, 1e-6, 0.3):
+        scalified = jsa.scalify(fn, static_argnums=1)
+        got = np.asarray(jsa.asarray((jax.jit(scalified, static_argnums=1) if jit else scalified)(x, c), jnp.float32))
+        assert np.all(holds(got, c)), (c, got)
+        expected = fn(np.asarray(x.data, np.float32) * 32, c)
+        atol = 64 * float(jnp.finfo(dtype).smallest_subnormal)  # the constant's rounding at scale 32
+        np.testing.assert_allclose(got, expected, rtol=2.0 ** -jnp.finfo(dtype).nmant, atol=atol)
+
+
+@pytest.mark.parametrize("eps", [1e-12, 1e-8, 1e-6])
+def test_the_gradient_of_a_square_root_of_a_floored_float16_distance_is_finite(eps):
+    """``sqrt(max(d2, eps))`` of a distance matrix's zeros: float32's gradient there is 0."""
+    d2 = jnp.asarray([0.0, 1.0, 4.0, 100.0])
+
+    def loss(d2):
+        return jnp.sum(jnp.sqrt(jnp.maximum(d2, eps)))
+
+    grad = jax.jit(jsa.scalify(jax.grad(loss)))(jsa.tree.astype(jsa.as_scaled_array(d2), jnp.float16))
+    np.testing.assert_allclose(np.asarray(jsa.asarray(grad, jnp.float32)), jax.grad(loss)(d2), rtol=1e-3)
+
+
 # --- scale logic -----------------------------------------------------------------------------
 def test_add_scale_rule():
     """pow2(sqrt(sa^2 + sb^2)): DOWN keeps the larger scale, UP doubles equal scales."""

@@ -199,6 +199,21 @@ def test_roots_of_scales_at_the_ends_of_the_float32_range(exponent, jit):
         np.testing.assert_allclose(got, power * (np.log2([2.0**80, 3.0]) + exponent), rtol=1e-6)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["numpy_scale", "traced_scale"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e5m2], ids=["float16", "e5m2"])
+def test_roots_of_the_smallest_subnormal_data_at_an_odd_scale_exponent(dtype, jit):
+    """Making the scale's exponent even halves the data: the smallest subnormal must not go to 0
+    (its square root's derivative would be infinite; plain float16 holds the value)."""
+    tiny = float(jnp.finfo(dtype).smallest_subnormal)
+    data = jnp.asarray([tiny, 2 * tiny, 3 * tiny, 1.0], dtype)
+    x = jsa.ScaledArray(data, jnp.float32(32.0) if jit else np.float32(32.0))
+    fn = jsa.scalify(lambda a: (jnp.sqrt(a), lax.rsqrt(a), jnp.cbrt(a)), policy=STATIC_POLICY)
+    values = np.asarray(data, np.float64) * 32
+    for out, ref in zip((jax.jit(fn) if jit else fn)(x), (np.sqrt, lambda v: 1 / np.sqrt(v), np.cbrt)):
+        rtol = 2.0 ** -jnp.finfo(dtype).nmant  # one rounding of the result
+        np.testing.assert_allclose(np.asarray(jsa.asarray(out, jnp.float32)), ref(values), rtol=rtol)
+
+
 def test_powers_are_exact_on_the_scale():
     x = _scaled([1.5, -1.25], -40)
     assert _scale(jsa.scalify(lax.square, policy=STATIC_POLICY)(x)) == 2.0**-80
