@@ -317,7 +317,8 @@ def _mark_lost(narrow: Jaxpr, wide: Jaxpr, found: ExactConstants) -> None:
         with np.errstate(over="ignore", under="ignore", invalid="ignore"):
             lost = [w for w in wide_lits if np.isfinite(w) and w != 0 and _is_suspect(w.astype(dtype))]
         for w in lost:
-            rounded = w.astype(dtype)
+            with np.errstate(over="ignore", under="ignore"):
+                rounded = w.astype(dtype)
             n_narrow = [(val, eqn) for s, val, eqn in narrow_lits if s.dtype == dtype and _same(s, rounded)]
             n_wide = sum(1 for v in wide_lits if _same(v, np.float64(rounded)))
             if len(n_narrow) <= n_wide:

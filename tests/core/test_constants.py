@@ -5,6 +5,8 @@ scalify recovers the values from a second trace on float32 inputs, so promotion 
 exact constant into a power-of-two scale and a mantissa.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -301,6 +303,27 @@ def test_unpaired_traces_raise_for_a_lost_constant():
     with pytest.raises(ValueError, match=r"1e-08.*became 0\.0.*float16") as info:
         jsa.scalify(fn)(_scaled(X, jnp.float16))
     assert "test_constants.py" in str(info.value)
+
+
+def test_a_constant_beyond_the_data_range_in_unpaired_traces_raises_no_numpy_warning():
+    """Looking for lost constants casts float32 literals to float16: ``optax.ctc_loss``'s
+    ``log_epsilon = -1e5`` overflows there, which is what is checked, not a warning."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, 8, 5)).astype(np.float32)
+    label_paddings = np.zeros((2, 3), np.float32)
+    label_paddings[1, 2] = 1.0
+    labels = rng.integers(1, 5, (2, 3)).astype(np.int32)
+
+    def loss(logits, logit_paddings, label_paddings):
+        return optax.ctc_loss(logits, logit_paddings, labels, label_paddings).mean()
+
+    args = (logits, np.zeros((2, 8), np.float32), label_paddings)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = jsa.scalify(jax.value_and_grad(loss))(*jsa.tree.astype(jsa.as_scaled_array(args), jnp.float16))
+    value, grad = jax.value_and_grad(loss)(*args)
+    np.testing.assert_allclose(exact_value(got[0]), value, rtol=1e-3)
+    np.testing.assert_allclose(exact_value(got[1]), grad, rtol=1e-2, atol=1e-3)
 
 
 def test_unpaired_traces_without_lost_constants_run():
