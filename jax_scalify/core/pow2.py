@@ -50,7 +50,7 @@ def _compute_dtype(dtype) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(dtype).itemsize == 8 else np.dtype(np.float32)
 
 
-def _exp2_int(exponent: Array, dtype, npapi) -> Array:
+def exp2_int(exponent: Array, dtype, npapi) -> Array:
     """``2**exponent`` in ``dtype``, built from bits: exact for subnormal results too.
 
     Exponents above the dtype's range give inf, below its smallest subnormal give 0.
@@ -150,7 +150,7 @@ def pow2_decompose(x: Array, scale_dtype: Any = None, mode: Pow2RoundMode = Pow2
         exact = npapi.abs(frac) == 0.5
         mantissa = npapi.where(exact, frac * 2, frac)
         exponent = npapi.where(exact, exp - 1, exp)
-    scale = _exp2_int(exponent, work, npapi)
+    scale = exp2_int(exponent, work, npapi)
     finite = npapi.isfinite(x)
     scale = npapi.where(frac == 0, npapi.asarray(0, work), scale)  # not x == 0: CPU flushes subnormals
     scale = npapi.where(finite, scale, npapi.abs(x.astype(work)))

@@ -295,12 +295,6 @@ def scaled_rem(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
 
 
 @register_scaled_lax_op
-def scaled_pow(a: ScaledArray, b: Any, **params) -> ScaledArray:
-    """Scale 1, computed on the values (float32 for narrow data); b may be a plain integer array."""
-    return scaled_from_value(_bind(P.pow_p, value_of(a), value_of(b), **params), a.dtype, 1)
-
-
-@register_scaled_lax_op
 def scaled_atan2(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Scale 1, atan2 of the data aligned to the largest scale (atan2 is scale-invariant), in float32.
 
@@ -485,7 +479,6 @@ __all__ = [
     "scaled_mul",
     "scaled_ne",
     "scaled_nextafter",
-    "scaled_pow",
     "scaled_reduce_precision",
     "scaled_rem",
     "scaled_select_n",

@@ -3,9 +3,10 @@
 Families:
 
 - sign changes (``neg``, ``abs``): data mapped, scale kept;
-- powers (``integer_pow``, ``square``, ``sqrt``, ``rsqrt``, ``cbrt``): exact on the scale,
-  ``f(d * s) = f(d) * f(s)``; for roots the part of the scale's exponent that does not divide
-  moves into the data first, so the output scale is again an exact power of two;
+- powers (``integer_pow``, ``square``, ``sqrt``, ``rsqrt``, ``cbrt``, ``pow`` by a constant):
+  exact on the scale, ``f(d * s) = f(d) * f(s)``; for roots and fractional powers the part of
+  the scale's exponent that does not divide moves into the data first, so the output scale is
+  again an exact power of two;
 - ``log``: ``log(d) + log(s)`` with the exponents summed exactly, output scale 1;
 - other non-linear maps: computed on the value ``d * s`` (in float32 for narrow data). The
   output scale is 1, except for the maps with ``f(x) ~ c * x`` near 0 (``sin``, ``tanh``,
@@ -28,20 +29,25 @@ from jax.extend.core import Primitive
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
+from ..core.constants import known_scalar
 from ..core.policy import active_policy, rescale_operand
+from ..core.pow2 import exp2_int, pow2_exponent
 from ..core.registry import register_scaled_lax_op, register_scaled_op
 from .base_scaling import (
     ScaleMap,
     as_scale,
     exact_root,
+    is_any_scale,
     is_numpy,
     narrow_range,
     narrowed_within_range,
     on_value,
     scale_capped_at_one,
+    scaled_from_value,
     scaled_power,
     select,
     unit_scale,
+    value_of,
     widen,
 )
 
@@ -148,6 +154,62 @@ def _power(x: ScaledArray, power_of: Callable[[Any], Any], y: int, in_float32: b
 
 
 @register_scaled_lax_op
+def scaled_pow(a: ScaledArray, b: Any, **params) -> ScaledArray:
+    """Scale 2**floor(k*y) for a constant exponent y (s = 2**k, the rest in the data); else scale 1, on the values.
+
+    An integral ``y`` (``x ** 3.0``, ``jnp.linalg.norm(x, ord=3)``) follows ``integer_pow``.
+    Another ``y`` splits ``s ** y = 2 ** (k * y)`` (``s = 2 ** k``) into the scale
+    ``2 ** floor(k * y)`` and a factor in ``[1, 2)`` multiplied into ``d ** y`` (computed in
+    float32 for narrow data): at scale 1, float16 data flushed ``|x| ** 3.0`` of entries near
+    ``1e-3`` to 0. A traced exponent (or an asserted-zero base): scale 1, computed on the
+    values (float32 for narrow data); ``b`` may be a plain integer array.
+    """
+    y = _constant_exponent(b)
+    if y is None or not isinstance(a, ScaledArray) or is_any_scale(a):
+        return scaled_from_value(P.pow_p.bind(value_of(a), value_of(b), **params), a.dtype, 1)
+    if y.is_integer() and abs(y) <= 2**15:
+        return scaled_integer_pow(a, y=int(y))
+    factor, scale = _fractional_power_of_scale(as_scale(a.scale), y)
+    data = jax.lax.pow(widen(a.data), np.float32(y)) * factor
+    return ScaledArray(data.astype(a.dtype), scale)
+
+
+def _constant_exponent(b: Any) -> float | None:
+    """The exponent as a Python float when it is one scalar known at trace time, else None."""
+    if isinstance(b, ScaledArray):
+        if not (is_numpy(b.scale) and np.ndim(b.scale) == 0) or is_any_scale(b):
+            return None
+        scalar = known_scalar(b.data)
+        return None if scalar is None else float(np.float64(scalar) * np.float64(b.scale))
+    scalar = known_scalar(b)
+    return None if scalar is None else float(scalar)
+
+
+def _fractional_power_of_scale(scale: Array, y: float) -> tuple[Array, Array]:
+    """``(factor, out_scale)`` with ``factor * out_scale = scale ** y``, ``out_scale`` a normal power of two.
+
+    With ``scale = 2 ** k``: ``out_scale = 2 ** q``, ``q = floor(k * y)`` clamped to float32's
+    normal exponents, and ``factor = 2 ** (k * y - q)`` (in ``[1, 2)`` unless clamped). For a
+    traced ``k`` the product is taken as ``k * y_hi + k * y_lo``, ``y_hi`` the exponent's 12
+    leading bits, so that ``k * y_hi`` is exact in float32 and the fraction keeps its accuracy
+    for large ``|k|``.
+    """
+    info = np.finfo(np.float32)
+    if is_numpy(scale):
+        ky = np.float64(pow2_exponent(scale)) * y
+        q = np.clip(np.floor(ky), info.minexp, info.maxexp - 1)
+        return np.float32(2.0 ** (ky - q)), as_scale(np.float32(2.0**q))
+    mantissa, exponent = np.frexp(y)
+    y_hi = np.float32(np.ldexp(np.round(np.ldexp(mantissa, 12)), exponent - 12))
+    y_lo = np.float32(y - np.float64(y_hi))
+    k = pow2_exponent(scale).astype(jnp.float32)
+    product = k * y_hi
+    q = jnp.clip(jnp.floor(product), info.minexp, info.maxexp - 1)
+    factor = jnp.exp2((product - q) + k * y_lo)
+    return factor, as_scale(exp2_int(q.astype(jnp.int32), jnp.float32, jnp))
+
+
+@register_scaled_lax_op
 def scaled_sqrt(x: ScaledArray, **params) -> ScaledArray:
     """Scale sqrt(s) exactly (an odd exponent moves a factor 2 into the data), data sqrt(d)."""
     return exact_root(x, 2, lambda d: P.sqrt_p.bind(d, **params), inverse=False)
@@ -242,6 +304,7 @@ __all__ = [
     "scaled_expm1",
     "scaled_floor",
     "scaled_integer_pow",
+    "scaled_pow",
     "scaled_is_finite",
     "scaled_lgamma",
     "scaled_log",

@@ -42,6 +42,10 @@ INVARIANCE_CASES = [
     Case("integer_pow", lambda x: x**3, [normal(*SHAPE)], grad=True),
     Case("integer_pow_negative", lambda x: lax.integer_pow(x, -2), [positive(*SHAPE)], grad=True),
     Case("square", lax.square, [normal(*SHAPE)], grad=True),
+    Case("pow_integral_float", lambda x: x**3.0, [normal(*SHAPE)], grad=True),
+    Case("pow_fractional", lambda x: x**2.5, [positive(*SHAPE)], grad=True, max_scale_exponent=40),
+    Case("pow_negative_fractional", lambda x: x**-0.75, [positive(*SHAPE)], grad=True, max_scale_exponent=40),
+    Case("pow_third", lambda x: jnp.power(x, 1 / 3), [positive(*SHAPE)], grad=True, max_scale_exponent=100),
     Case("sqrt", jnp.sqrt, [positive(*SHAPE)], grad=True),
     Case("rsqrt", lax.rsqrt, [positive(*SHAPE)], grad=True),
     Case("cbrt", jnp.cbrt, [normal(*SHAPE)], grad=True),
@@ -219,6 +223,30 @@ def test_powers_are_exact_on_the_scale():
     assert _scale(jsa.scalify(lax.square, policy=STATIC_POLICY)(x)) == 2.0**-80
     assert _scale(jsa.scalify(lambda a: a**3, policy=STATIC_POLICY)(x)) == 2.0**-120
     assert _scale(jsa.scalify(lambda a: lax.integer_pow(a, -2), policy=STATIC_POLICY)(x)) == 2.0**80
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["numpy_scale", "traced_scale"])
+def test_powers_by_a_constant_exponent_are_exact_on_the_scale(jit):
+    """``x ** 3.0`` is ``integer_pow``; ``x ** 2.5`` moves the fraction of ``k * 2.5`` into the data."""
+    x = _scaled([1.5, 1.25], -41, jnp.float32)
+    fn = jsa.scalify(lambda a: (a**3.0, a**2.5, a**-0.5), policy=STATIC_POLICY)
+    cube, fractional, inverse_root = (jax.jit(fn) if jit else fn)(x)
+    assert (_scale(cube), _scale(fractional), _scale(inverse_root)) == (2.0**-123, 2.0**-103, 2.0**20)
+    for out, y in zip((cube, fractional, inverse_root), (3, 2.5, -0.5)):
+        np.testing.assert_allclose(_value(out), _value(x).astype(np.float64) ** y, rtol=1e-6)
+
+
+def test_a_fractional_norm_of_small_float16_values_keeps_their_range():
+    """At scale 1, float16 data flushed ``|x| ** 3.0`` of entries near 1e-3 to 0 (a norm of 0
+    and non-finite gradients, as in plain float16)."""
+    x = np.abs(np.random.default_rng(0).standard_normal(64)).astype(np.float32) * 1e-3
+    scaled_x = jsa.tree.astype(jsa.as_scaled_array(x), jnp.float16)
+    for norm in (lambda a: jnp.linalg.norm(a, ord=3), lambda a: jnp.sum(a**2.5) ** 0.4):
+        value, grad = jax.jit(jsa.scalify(jax.value_and_grad(norm)))(scaled_x)
+        np.testing.assert_allclose(_value(value), norm(x), rtol=3e-3)
+        np.testing.assert_allclose(
+            _value(grad), jax.grad(norm)(x), rtol=2e-2, atol=1e-3 * np.abs(jax.grad(norm)(x)).max()
+        )
 
 
 def test_negative_power_of_float16_data_with_small_entries_does_not_overflow():
