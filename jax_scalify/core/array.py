@@ -659,7 +659,10 @@ def asarray(tree: Any, dtype: DTypeLike = None) -> Any:
 
     Each value is given in its data's dtype unless ``dtype`` says otherwise: float16 data
     at a scale of ``2**-30`` hold values near ``1e-9`` exactly, which a float16 array flushes
-    to zero. To read or log small values, ask for float32: ``jsa.asarray(tree, jnp.float32)``.
+    to zero, and at a scale of ``2**17`` values near ``1.6e5``, which a float16 array
+    turns into inf (``np.asarray(x)`` and ``x.to_array()`` do the same). To read or log
+    values, ask for float32: ``jsa.asarray(tree, jnp.float32)`` (``float(x)`` of a 0-d
+    ``ScaledArray`` is computed in float32).
 
     Args:
         tree: a pytree with ``ScaledArray`` or plain leaves.

@@ -75,8 +75,8 @@ def compile_step(step: Callable, jit: Callable[[Callable], Callable]) -> Callabl
 
 
 def value(x: Any) -> Any:
-    """Plain arrays from a (possibly) scaled result."""
-    return jsa.asarray(x)
+    """Plain float32 arrays from a (possibly) scaled result (a float16 loss above 65,504 is not inf)."""
+    return jsa.asarray(x, jnp.float32)
 
 
 # The ``dot_general`` that the Flax programs give their ``Dense``/``Linear`` layers for the FP8
