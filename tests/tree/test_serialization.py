@@ -73,6 +73,31 @@ def test_orbax_checkpoint_round_trip_as_in_the_docs(tmp_path):
     assert restored["params"]["w"].scale.dtype == np.float32 and float(restored["params"]["w"].scale) == 2.0
 
 
+def test_orbax_restore_of_a_scaled_nnx_model_into_its_eval_shape_as_in_the_docs(tmp_path):
+    """docs/pytrees.md: the abstract target of a scaled NNX model is the eval_shape of a function
+    that builds and scales it; the restored model holds the same ScaledArrays."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    nnx = pytest.importorskip("flax.nnx")
+
+    def create_scaled_model():
+        model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
+        params = nnx.state(model, nnx.Param)
+        nnx.update(model, jsa.tree.astype(jsa.as_scaled_array(params), jnp.float16))
+        return model
+
+    model = create_scaled_model()
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "step_100", nnx.state(model))
+    checkpointer.wait_until_finished()
+    graphdef, abstract = nnx.split(nnx.eval_shape(create_scaled_model))
+    restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "step_100", abstract))
+    saved, got = (jax.tree.leaves(nnx.state(m), is_leaf=jsa.is_scaled_leaf) for m in (model, restored))
+    assert len(got) == 4 and all(isinstance(x, jsa.ScaledArray) and x.dtype == jnp.float16 for x in got)
+    for a, b in zip(saved, got):
+        np.testing.assert_array_equal(np.asarray(b.data), np.asarray(a.data))
+        assert float(b.scale) == float(a.scale)
+
+
 def test_orbax_restore_without_target_names_data_and_scale(tmp_path):
     """Without a target Orbax rebuilds pytree nodes from their keys: a ScaledArray comes back as
     ``{"data": ..., "scale": ...}`` (a dict that fails loudly where an array is expected, not
