@@ -409,6 +409,29 @@ def known_scalar(value: Any) -> np.ndarray | None:
     return exact if exact is not None else _repeated_element(value)
 
 
+def spreads_out_of_range(invals: Sequence[Any]) -> bool:
+    """Operands all known at trace time, one of them narrow and out of its dtype's range (:func:`out_of_range`).
+
+    ``1e-6 / 128`` (a loss factor over a batch, in a cotangent) is 0 as float16: a plain
+    equation that is not folded (the ``pad`` or ``scatter-add`` that transposes a slice or a
+    label lookup) would spread the rounded value. The interpreter evaluates such an equation
+    with its scale rule instead, the constant promoted at its exact value. An equation with
+    a plain operand that is not known computes what JAX computes (plain data stay plain).
+    """
+    floating = [x for x in invals if _is_float(getattr(x, "dtype", None))]
+    return any(map(out_of_range, floating)) and all(known_scalar(x) is not None for x in floating)
+
+
+def out_of_range(value: Any) -> bool:
+    """A known narrow-float value whose exact scalar its dtype holds only as a subnormal, 0 or inf."""
+    exact = _recorded_exact(value) if _state.active else None
+    if exact is None or not is_narrow_float(getattr(value, "dtype", None)):
+        return False
+    magnitude = abs(float(exact))
+    info = jnp.finfo(value.dtype)
+    return 0 < magnitude < np.inf and not float(info.smallest_normal) <= magnitude <= float(info.max)
+
+
 def fold(eqn: JaxprEqn, scalar_fn: Callable[..., Any] | None, invals: Sequence[Any]) -> list | None:
     """The output of a plain equation on known operands, computed at trace time; None if it is not one.
 

@@ -438,7 +438,10 @@ def _eval_equation(eqn: JaxprEqn, invals: list) -> list:
     )
     if not needs_rule:
         folded = constants.fold(eqn, entry.scalar_fn if entry else None, invals)
-        return _bind(eqn, invals) if folded is None else folded
+        if folded is not None:
+            return folded
+        if entry is None or not constants.spreads_out_of_range(invals):
+            return _bind(eqn, invals)
     constants.check_not_lost(eqn)
     if entry is None:
         raise _missing_rule_error(eqn, invals)

@@ -110,6 +110,36 @@ def test_constant_broadcast_by_full_like_keeps_its_value():
     np.testing.assert_allclose(exact_value(out), np.asarray(X, np.float64) * 1e-8, rtol=_rtol(jnp.float16))
 
 
+def _float16_inputs_and_values():
+    w = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (32, 16))) / np.sqrt(32)
+    x = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (128, 32)))
+    scaled_inputs = jsa.tree.astype(jsa.as_scaled_array((w, x)), jnp.float16)
+    return scaled_inputs, tuple(np.asarray(a.to_array(jnp.float32)) for a in scaled_inputs)
+
+
+LABELS = np.arange(128) % 16
+CROSS_ENTROPIES = {
+    "slice": lambda logits: -jnp.mean(jax.nn.log_softmax(logits)[:, 0]),
+    "integer_labels": lambda logits: optax.softmax_cross_entropy_with_integer_labels(logits, LABELS).mean(),
+}
+
+
+@pytest.mark.parametrize("factor", [1e-6, 1e-5])
+@pytest.mark.parametrize("loss", CROSS_ENTROPIES)
+def test_a_loss_factor_below_float16s_range_reaches_the_gradient(loss, factor):
+    """The cotangent ``factor / N`` is below float16's normal range: spread by the transpose
+    of a slice or a label lookup (``pad``, ``scatter-add``) in float16, it was 0 or subnormal
+    (a zero gradient: the program trained nothing)."""
+    (scaled_inputs, (w, x)), ce = _float16_inputs_and_values(), CROSS_ENTROPIES[loss]
+
+    def loss_fn(w, x):
+        return ce(x @ w) * factor
+
+    got = jax.jit(jsa.scalify(jax.grad(loss_fn)))(*scaled_inputs)
+    expected = jax.grad(loss_fn)(w, x)
+    np.testing.assert_allclose(exact_value(got), expected, rtol=0, atol=2e-3 * np.abs(expected).max())
+
+
 def test_optax_adam_step_with_float16_state_is_not_nan():
     """eps=1e-8 is 0 in a float16 trace: every zero gradient gave 0 / 0 at the first step."""
     params = {"w": jnp.array([[0.5, -1.0], [2.0, 0.25]], jnp.float16)}
