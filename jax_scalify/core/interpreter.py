@@ -166,7 +166,8 @@ def _scalified_call(trace_cache, policy: RescalePolicy, fun, args, kwargs):
     closed_jaxpr, out_tree, static_outs = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
     dynamic_leaves = [leaves[i] for i in dynamic]
     known = constants.known_constants(_exact_constants.get(closed_jaxpr.jaxpr))
-    with evaluating_rules(), known, rescale_policy.applying(policy):
+    scaled_inputs = any(isinstance(x, ScaledArray) for x in dynamic_leaves)
+    with evaluating_rules(), known, rescale_policy.applying(policy, scaled_inputs):
         outs = eval_scaled_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, dynamic_leaves)
         if policy.outputs:
             fresh = [i for i, x in enumerate(outs) if not rescale_policy.was_rescaled(x)]
@@ -440,7 +441,10 @@ def _eval_equation(eqn: JaxprEqn, invals: list) -> list:
         folded = constants.fold(eqn, entry.scalar_fn if entry else None, invals)
         if folded is not None:
             return folded
-        if entry is None or not constants.spreads_out_of_range(invals):
+        enters_scaled = constants.spreads_out_of_range(invals) or rescale_policy.narrows_plain_backward_data(
+            eqn, invals
+        )
+        if entry is None or not enters_scaled:
             return _bind(eqn, invals)
     constants.check_not_lost(eqn)
     if entry is None:

@@ -180,19 +180,25 @@ class _PolicyState(threading.local):
         self.stack: list[tuple[RescalePolicy, dict[int, Any]]] = []
         self.backward_depth = 0
         self.operand_rescales: list[dict[int, tuple[Any, Any]]] = []
+        self.scaled_inputs: list[bool] = []
 
 
 _state = _PolicyState()
 
 
 @contextlib.contextmanager
-def applying(policy: RescalePolicy) -> Iterator[None]:
-    """The policy the interpreter and the control-flow rules apply while ``scalify`` evaluates."""
+def applying(policy: RescalePolicy, scaled_inputs: bool = True) -> Iterator[None]:
+    """The policy the interpreter and the control-flow rules apply while ``scalify`` evaluates.
+
+    ``scaled_inputs``: whether the scalified function was given a ``ScaledArray``.
+    """
     _state.stack.append((policy, {}, {}))
+    _state.scaled_inputs.append(scaled_inputs)
     try:
         yield
     finally:
         _state.stack.pop()
+        _state.scaled_inputs.pop()
 
 
 def active_policy() -> RescalePolicy:
@@ -427,6 +433,32 @@ def rescales_in_backward_pass() -> bool:
     It then rescales the plain arrays the backward pass promotes and its sums of narrow data.
     """
     return active_policy().gradients and in_backward_pass()
+
+
+def narrows_plain_backward_data(eqn: Any, invals: Sequence[Any]) -> bool:
+    """A backward-pass cast of plain float32 data to float16/FP8 in a function given scaled inputs, under ``gradients``.
+
+    Such data derive from the loss's cotangent (its ``1 / N`` times plain inputs such as
+    float32 one-hot labels); cast at scale 1, ``1e-6 / 128`` is 0 in float16 and a mean
+    over a million tokens is subnormal. The interpreter then evaluates the cast with its
+    scale rule, the data promoted with their statistic as scale, as where plain data meet
+    scaled data in the backward pass. A function given only plain arrays computes what JAX
+    computes.
+    """
+    if eqn.primitive.name != "convert_element_type" or not rescales_in_backward_pass():
+        return False
+    if not (_state.scaled_inputs and _state.scaled_inputs[-1]):
+        return False
+    (x,) = invals
+    new_dtype = eqn.params["new_dtype"]
+    return (
+        not isinstance(x, ScaledArray)
+        and np.ndim(x) > 0
+        and is_floating_dtype(x.dtype)
+        and is_floating_dtype(new_dtype)
+        and narrow_range(new_dtype)
+        and not narrow_range(x.dtype)
+    )
 
 
 @contextlib.contextmanager

@@ -121,6 +121,7 @@ LABELS = np.arange(128) % 16
 CROSS_ENTROPIES = {
     "slice": lambda logits: -jnp.mean(jax.nn.log_softmax(logits)[:, 0]),
     "integer_labels": lambda logits: optax.softmax_cross_entropy_with_integer_labels(logits, LABELS).mean(),
+    "float32_one_hot": lambda logits: -jnp.mean(jnp.sum(jax.nn.one_hot(LABELS, 16) * jax.nn.log_softmax(logits), -1)),
 }
 
 
@@ -128,8 +129,9 @@ CROSS_ENTROPIES = {
 @pytest.mark.parametrize("loss", CROSS_ENTROPIES)
 def test_a_loss_factor_below_float16s_range_reaches_the_gradient(loss, factor):
     """The cotangent ``factor / N`` is below float16's normal range: spread by the transpose
-    of a slice or a label lookup (``pad``, ``scatter-add``) in float16, it was 0 or subnormal
-    (a zero gradient: the program trained nothing)."""
+    of a slice or a label lookup (``pad``, ``scatter-add``) in float16, or multiplied by
+    float32 one-hot labels and cast to float16, it was 0 or subnormal (a zero gradient: the
+    program trained nothing)."""
     (scaled_inputs, (w, x)), ce = _float16_inputs_and_values(), CROSS_ENTROPIES[loss]
 
     def loss_fn(w, x):

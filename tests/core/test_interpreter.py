@@ -37,6 +37,17 @@ def test_plain_inputs_stay_plain():
     assert not isinstance(out, jsa.ScaledArray)
 
 
+def test_plain_inputs_stay_plain_through_a_backward_pass_that_casts_to_float16():
+    w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+
+    def loss(w):
+        return jnp.sum((x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32) ** 2)
+
+    grad = jsa.scalify(jax.grad(loss))(w)
+    assert not isinstance(grad, jsa.ScaledArray)
+    np.testing.assert_array_equal(grad, jax.grad(loss)(w))
+
+
 @pytest.mark.parametrize(
     "wrap",
     [
