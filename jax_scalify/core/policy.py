@@ -65,7 +65,9 @@ class RescalePolicy:
             of them together once the backward pass is done (before the first forward use
             of any). Inside the backward pass, a plain array that meets scaled data (the
             loss's cotangent times plain inputs such as one-hot labels: ``1 / N`` sits in
-            its values) is promoted with its statistic as scale instead of scale 1, and a
+            its values) is promoted with its statistic as scale instead of scale 1 (also
+            where such float32 data are cast to float16/FP8 before they meet scaled data,
+            in a function given scaled inputs: float32 one-hot labels), and a
             sum of float16/FP8 data (``reduce_sum``, ``cumsum``, ``scatter-add``; not collectives) is accumulated in
             float32 and rescaled from its result before it is narrowed (the transposes of
             broadcasts add contributions that share a sign: up to ``K`` times a term, not
