@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .core.array import ScaledArray, asarray, is_floating_dtype, is_scaled_leaf
+from .core.array import ScaledArray, asarray, is_concrete, is_floating_dtype, is_scaled_leaf
 from .core.custom_scale import custom_scale
 from .core.interpreter import is_tracing_user_code, scalify
 from .core.policy import mark_rescaled
@@ -166,12 +166,6 @@ def _widen(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: x.astype(WORK_DTYPE) if _is_floating(x) else x, tree)
 
 
-def _is_concrete_array(x: Any) -> bool:
-    if isinstance(x, ScaledArray):
-        return _is_concrete_array(x.data) and _is_concrete_array(x.scale)
-    return isinstance(x, np.ndarray | np.generic) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
-
-
 def _compiled_when_concrete(fn):
     """``fn`` under ``jax.jit`` when every leaf of its argument is a concrete array, else ``fn`` itself.
 
@@ -184,8 +178,7 @@ def _compiled_when_concrete(fn):
     compiled = jax.jit(fn)
 
     def run(tree: PyTree) -> PyTree:
-        leaves = jax.tree.leaves(tree, is_leaf=is_scaled_leaf)
-        return compiled(tree) if all(map(_is_concrete_array, leaves)) else fn(tree)
+        return compiled(tree) if all(map(is_concrete, jax.tree.leaves(tree))) else fn(tree)
 
     return run
 

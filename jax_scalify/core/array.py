@@ -97,7 +97,7 @@ def narrow_range(dtype) -> bool:
     return jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp
 
 
-def _is_concrete(x: Any) -> bool:
+def is_concrete(x: Any) -> bool:
     """A value known now (NumPy, or a JAX array that is not a tracer)."""
     if isinstance(x, (np.ndarray, np.generic)):
         return True
@@ -151,7 +151,7 @@ def check_scale_values(scale: Array, where: str = "ScaledArray") -> None:
 
     Traced scales are not checked (their values are unknown). See :class:`ScaledArray`.
     """
-    if not _is_concrete(scale):
+    if not is_concrete(scale):
         return
     values = _host_values(scale)
     problem = _scale_problem(values)
@@ -322,8 +322,8 @@ class ScaledArray:
 
     def _host_value(self, what: str, scalar: bool = True) -> np.ndarray:
         """The value on the host, in float32 (float64 for float64 data): wide enough for any scale."""
-        if (scalar and self.ndim != 0) or not (_is_concrete(self.data) and _is_concrete(self.scale)):
-            kind = "traced" if not _is_concrete(self.data) else f"of shape {self.shape}"
+        if (scalar and self.ndim != 0) or not (is_concrete(self.data) and is_concrete(self.scale)):
+            kind = "traced" if not is_concrete(self.data) else f"of shape {self.shape}"
             raise TypeError(
                 f"{what} needs a concrete {'0-d ' if scalar else ''}ScaledArray, got one {kind}. Convert "
                 "with x.to_array() (inside jax.jit, return it or use jax.debug.print)."
@@ -412,7 +412,7 @@ def check_scalify_inputs(leaves: list, tree: Any = None, nested: bool = False) -
             )
     if is_evaluating_rules():  # an inner scalify evaluated by the interpreter: internal values
         return
-    concrete = [(i, x.scale) for i, x in scaled if _is_concrete(x.scale)]
+    concrete = [(i, x.scale) for i, x in scaled if is_concrete(x.scale)]
     if not concrete:
         return
     require_pow2 = get_scalify_config().rounding_mode != Pow2RoundMode.NONE
@@ -647,7 +647,7 @@ def _check_given_scale(scale: Any) -> None:
     """``as_scaled_array``'s ``scale``: like a ScaledArray's scale, but 0 would make the data inf."""
     scale = np.asarray(scale) if isinstance(scale, (float, int)) else scale
     check_scale_values(scale, where="jsa.as_scaled_array:")
-    if _is_concrete(scale) and np.any(_host_values(scale) == 0):
+    if is_concrete(scale) and np.any(_host_values(scale) == 0):
         raise ValueError(
             "jsa.as_scaled_array: scale 0 would divide the values by zero. Give a positive power of "
             "two, or leave scale=None to pick the power of two below each array's RMS."

@@ -179,10 +179,10 @@ def check_policy(policy: RescalePolicy | None) -> RescalePolicy:
 
 class _PolicyState(threading.local):
     def __init__(self):
-        self.stack: list[tuple[RescalePolicy, dict[int, Any]]] = []
+        # per scalify evaluation: (policy, rescaled values, sparse values, given scaled inputs)
+        self.stack: list[tuple[RescalePolicy, dict[int, Any], dict[int, Any], bool]] = []
         self.backward_depth = 0
         self.operand_rescales: list[dict[int, tuple[Any, Any]]] = []
-        self.scaled_inputs: list[bool] = []
 
 
 _state = _PolicyState()
@@ -194,13 +194,11 @@ def applying(policy: RescalePolicy, scaled_inputs: bool = True) -> Iterator[None
 
     ``scaled_inputs``: whether the scalified function was given a ``ScaledArray``.
     """
-    _state.stack.append((policy, {}, {}))
-    _state.scaled_inputs.append(scaled_inputs)
+    _state.stack.append((policy, {}, {}, scaled_inputs))
     try:
         yield
     finally:
         _state.stack.pop()
-        _state.scaled_inputs.pop()
 
 
 def active_policy() -> RescalePolicy:
@@ -449,7 +447,7 @@ def narrows_plain_backward_data(eqn: Any, invals: Sequence[Any]) -> bool:
     """
     if eqn.primitive.name != "convert_element_type" or not rescales_in_backward_pass():
         return False
-    if not (_state.scaled_inputs and _state.scaled_inputs[-1]):
+    if not (_state.stack and _state.stack[-1][3]):
         return False
     (x,) = invals
     new_dtype = eqn.params["new_dtype"]

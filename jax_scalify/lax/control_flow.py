@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from ..core.array import ScaledArray
+from ..core.array import ScaledArray, is_concrete
 from ..core.interpreter import eval_closed_jaxpr
 from ..core.policy import rescale_loop_carries
 from ..core.registry import lax_primitive, register_scaled_op
@@ -58,11 +58,6 @@ scan_p = lax_primitive("scan")
 while_p = lax_primitive("while")
 cond_p = lax_primitive("cond")
 remat_p = lax_primitive("remat")
-
-
-def _is_concrete(x: Any) -> bool:
-    """A trace-time constant: NumPy, or a JAX array that is not a tracer."""
-    return isinstance(x, (np.ndarray, np.generic)) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
 
 
 def _as_carried(x: Any) -> ScaledArray:
@@ -112,7 +107,7 @@ def _split_ys(ys: Sequence[Any]) -> tuple[list, list]:
         if not _is_scaled(y):
             flat.append(y)
             kinds.append((_PLAIN, None))
-        elif _is_concrete(y.scale):
+        elif is_concrete(y.scale):
             flat.append(y.data)
             kinds.append((_CONST_SCALE, (y.scale, y.any_scale)))
         else:

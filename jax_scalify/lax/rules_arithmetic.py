@@ -201,15 +201,17 @@ def _bound_rescaled(x: ScaledArray, scale: Array, bound: int) -> ScaledArray:
     Only trace-time constants (NumPy scales) are rounded so: their scale is usually far from
     the tensor's, a tensor's data move by less than an ulp either way.
     """
-    moved = rescale(x, scale)
-    if not bound or moved is x or is_any_scale(x) or not (is_numpy(x.scale) and narrow_range(x.dtype)):
-        return moved
+    if not bound or is_any_scale(x) or not (is_numpy(x.scale) and narrow_range(x.dtype)):
+        return rescale(x, scale)
+    scale = as_scale(scale)
+    if is_numpy(scale) and np.array_equal(x.scale, scale):
+        return ScaledArray(x.data, scale)
     exact = widen(x.data) * jnp.asarray(as_scale(x.scale) / as_scale(scale), jnp.float32)
     rounded = exact.astype(x.dtype)
     missed = rounded.astype(jnp.float32) < exact if bound > 0 else rounded.astype(jnp.float32) > exact
     largest = float(jnp.finfo(x.dtype).max)  # not inf: float8_e4m3fn has none
     towards = jnp.full(rounded.shape, largest if bound > 0 else -largest, x.dtype)
-    return ScaledArray(jnp.where(missed, lax.nextafter(rounded, towards), rounded), moved.scale)
+    return ScaledArray(jnp.where(missed, lax.nextafter(rounded, towards), rounded), scale)
 
 
 # --- sums ------------------------------------------------------------------------------------
