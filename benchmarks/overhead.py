@@ -6,7 +6,11 @@ median trace+lower+compile time of both (wall clock, and CPU time of the process
 processes on the machine disturb less), and their ratios. The last column, "const", is the
 compile CPU-time ratio of the scalified step with its input scales fixed at trace time (see
 :func:`with_constant_scales`): what remains when the scale arithmetic that depends only on
-input scales folds away.
+input scales folds away. The column "static" is the compile CPU-time ratio of the step under
+:meth:`jsa.RescalePolicy.static`, and "floor" is the compile CPU-time ratio of the step under
+the static policy that also computes the statistics of the state it returns (see
+:func:`with_state_statistics`): what any policy that re-estimates the state's scales from its
+data costs at least.
 """
 
 from __future__ import annotations
@@ -138,6 +142,33 @@ def with_constant_scales(step, policy=None):
     return constant_scaled_step
 
 
+def _sampled(data, per_axis=32):
+    """A strided sample of ``data``: at most ``per_axis`` entries along each axis."""
+    return data[tuple(slice(None, None, max(1, n // per_axis)) for n in data.shape)]
+
+
+def with_state_statistics(step):
+    """``step`` under the static policy, also returning the sampled mean square of each floating value it returns.
+
+    The statistics are those the default policy reads for the values it rescales on
+    return (a strided sample of at most 32 entries per axis, squared and averaged in
+    float32), computed outside the scalified function and nothing done with them: no scale
+    arithmetic, no data rescaled, and none of the gradients' or contractions' statistics.
+    Its compile time is a floor under any policy that re-estimates the returned state's
+    scales from its data, whatever form its scale arithmetic takes.
+    """
+    static_step = jsa.scalify(step, policy=jsa.RescalePolicy.static())
+
+    def step_and_statistics(*args):
+        out = static_step(*args)
+        values = [
+            leaf for leaf in jax.tree.leaves(out, is_leaf=jsa.is_scaled_leaf) if isinstance(leaf, jsa.ScaledArray)
+        ]
+        return out, [jnp.mean(jnp.square(_sampled(v.data).astype(jnp.float32))) for v in values]
+
+    return step_and_statistics
+
+
 # --- running ---------------------------------------------------------------------------------
 def compare(name, step, inputs, rounds, compile_rounds, policy=None):
     """Runtime and compile time of ``step``, plain and scalified (with the rescale ``policy``)."""
@@ -152,6 +183,8 @@ def compare(name, step, inputs, rounds, compile_rounds, policy=None):
             "plain": lambda: compile_times(step, *inputs),
             "scalify": lambda: compile_times(jsa.scalify(step, policy=policy), *scaled_inputs),
             "const": lambda: compile_times(with_constant_scales(step, policy), *inputs),
+            "static": lambda: compile_times(jsa.scalify(step, policy=jsa.RescalePolicy.static()), *scaled_inputs),
+            "floor": lambda: compile_times(with_state_statistics(step), *scaled_inputs),
         },
         compile_rounds,
     )
@@ -168,12 +201,16 @@ def compare(name, step, inputs, rounds, compile_rounds, policy=None):
         "compile_cpu_ratio": compiles["scalify"][1] / compiles["plain"][1],
         "const_scales_compile_cpu_s": compiles["const"][1],
         "const_scales_compile_cpu_ratio": compiles["const"][1] / compiles["plain"][1],
+        "static_compile_cpu_s": compiles["static"][1],
+        "static_compile_cpu_ratio": compiles["static"][1] / compiles["plain"][1],
+        "statistics_floor_compile_cpu_s": compiles["floor"][1],
+        "statistics_floor_compile_cpu_ratio": compiles["floor"][1] / compiles["plain"][1],
     }
     print(
         f"{name:<16}{row['plain_ms']:>10.2f}{row['scalify_ms']:>12.2f}{row['runtime_ratio']:>9.3f}"
         f"{row['plain_compile_s']:>11.2f}{row['scalify_compile_s']:>13.2f}{row['compile_ratio']:>9.2f}"
         f"{row['plain_compile_cpu_s']:>10.2f}{row['scalify_compile_cpu_s']:>12.2f}{row['compile_cpu_ratio']:>9.2f}"
-        f"{row['const_scales_compile_cpu_ratio']:>9.2f}",
+        f"{row['const_scales_compile_cpu_ratio']:>9.2f}{row['static_compile_cpu_ratio']:>9.2f}{row['statistics_floor_compile_cpu_ratio']:>9.2f}",
         flush=True,
     )
     return row
@@ -204,7 +241,7 @@ def main(argv=None):
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {rounds} interleaved rounds, {args.policy} policy")
     print(
         f"{'benchmark':<16}{'plain ms':>10}{'scalify ms':>12}{'ratio':>9}{'plain cmp':>11}{'scalify cmp':>13}"
-        f"{'ratio':>9}{'plain cpu':>10}{'scalify cpu':>12}{'ratio':>9}{'const':>9}"
+        f"{'ratio':>9}{'plain cpu':>10}{'scalify cpu':>12}{'ratio':>9}{'const':>9}{'static':>9}{'floor':>9}"
     )
     rows = [compare(name, step, make(), rounds, compile_rounds, policy) for name, (step, make) in benches.items()]
     if args.json:
