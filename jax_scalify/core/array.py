@@ -32,6 +32,15 @@ _NOT_OUTSIDE_SCALIFY = (
 )
 
 
+def _not_outside_scalify(what: str):
+    """A ``ScaledArray`` method that raises the error saying ``what`` needs scalify."""
+
+    def method(self, *args, **kwargs):
+        raise TypeError(_NOT_OUTSIDE_SCALIFY.format(what=what))
+
+    return method
+
+
 class _EvaluationState(threading.local):
     def __init__(self):
         self.depth = 0
@@ -361,12 +370,10 @@ class ScaledArray:
     def __jax_array__(self):
         raise TypeError(_JAX_FUNCTION_OUTSIDE_SCALIFY)
 
-    def _no_arithmetic(self, *args, **kwargs):
-        raise TypeError(_NOT_OUTSIDE_SCALIFY.format(what="arithmetic"))
-
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _no_arithmetic
-    __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __pow__ = __neg__ = _no_arithmetic
-    __lt__ = __le__ = __gt__ = __ge__ = __getitem__ = _no_arithmetic
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _not_outside_scalify("arithmetic")
+    __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __pow__ = __neg__ = _not_outside_scalify("arithmetic")
+    __lt__ = __le__ = __gt__ = __ge__ = _not_outside_scalify("comparisons")
+    __getitem__ = _not_outside_scalify("indexing (x[...], also Flax's variable[...])")
 
 
 def check_scalify_inputs(leaves: list, tree: Any = None, nested: bool = False) -> None:

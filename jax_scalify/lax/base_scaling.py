@@ -253,7 +253,11 @@ def mul_data(data: Array, factor: Array) -> Array:
 def rescale(x: ScaledArray, new_scale: Array) -> ScaledArray:
     """The same value as ``x`` with scale ``new_scale``: ``data * (scale / new_scale)``.
 
-    An any-scale operand (0 or ±inf) keeps its data and just takes the new scale.
+    An any-scale operand (0 or ±inf) keeps its data and just takes the new scale. The 16- or
+    8-bit data of a scale known at trace time moved to a run-time scale (a constant aligned
+    with traced data, see :func:`largest_scale`) saturate at the dtype's largest finite
+    value where they do not fit: a mask at ``-1e30`` stays below every value it masks,
+    where plain float16 would hold ``-inf``.
     """
     new_scale = as_scale(new_scale)
     if is_any_scale(x):
@@ -263,7 +267,15 @@ def rescale(x: ScaledArray, new_scale: Array) -> ScaledArray:
     scale = as_scale(x.scale)
     if scale is new_scale or (is_numpy(scale) and is_numpy(new_scale) and np.array_equal(scale, new_scale)):
         return ScaledArray(x.data, new_scale)
+    if is_numpy(scale) and not is_numpy(new_scale) and narrow_range(x.dtype):
+        return ScaledArray(_saturated(widen(x.data) * scale_quotient(scale, new_scale), x.dtype), new_scale)
     return ScaledArray(mul_data(x.data, scale_quotient(scale, new_scale)), new_scale)
+
+
+def _saturated(wide: Array, dtype: Any) -> Array:
+    """Wide data cast to the narrow ``dtype``, clipped to its largest finite value (no inf)."""
+    largest = float(jnp.finfo(dtype).max)
+    return jnp.clip(wide, -largest, largest).astype(dtype)
 
 
 def scale_quotient(scale: Array, common: Array) -> Array:
@@ -340,7 +352,12 @@ def largest_scale(operands: Sequence[ScaledArray]) -> Array:
     Operands sharing one scale object count once (no ``max(s, s)`` equation). If the largest of several scales is 0
     (every operand asserted zero) the result is 1, so rescaling to it gives 0 rather than
     ``0 / 0``. Next to other operands, a trace-time constant counts with the smallest
-    power-of-two scale at which it fits its data dtype (see :func:`_fitting_scale`).
+    power-of-two scale at which it fits its data dtype (see :func:`_fitting_scale`). With
+    16- or 8-bit data, a scale known at trace time (a constant's, or that of a value computed
+    from constants only, such as ``where(mask, 0, -1e9)`` under a traced mask) raises the
+    common scale at most :func:`known_scale_reach` above the largest run-time scale: beyond
+    that the run-time operands' data, unit-sized, would leave the dtype's normal range, and
+    the known values saturate instead (:func:`rescale`).
     """
     fit_constants = not all(_is_trace_time_constant(x) for x in operands if not is_any_scale(x))
     scales = []
@@ -351,12 +368,34 @@ def largest_scale(operands: Sequence[ScaledArray]) -> Array:
                 scales.append(s)
     if not scales:
         return np.ones((), scale_dtype())
-    out = scales[0]
-    for s in scales[1:]:
-        out = scale_max(out, s)
+    known = [s for s in scales if is_numpy(s)]
+    traced = [s for s in scales if not is_numpy(s)]
+    narrow = [x.dtype for x in operands if narrow_range(x.dtype)]
+    if known and traced and narrow:
+        out = _largest(traced)
+        reach = scale_mul(out, known_scale_reach(narrow[0]))
+        out = scale_max(out, scale_min(_largest(known), reach))
+    else:
+        out = _largest(scales)
     if len(scales) > 1:
         out = zero_to_one(out)
     return out
+
+
+def _largest(scales: Sequence[Array]) -> Array:
+    out = scales[0]
+    for s in scales[1:]:
+        out = scale_max(out, s)
+    return out
+
+
+def known_scale_reach(dtype: Any) -> np.ndarray:
+    """How far above the run-time scales a scale known at trace time may raise a common scale of ``dtype`` data.
+
+    ``2**-minexp``, the inverse of the smallest normal number (``2**14`` for float16 and
+    E5M2, ``2**6`` for E4M3): unit-sized data moved that far down are still normal.
+    """
+    return as_scale(2.0 ** -int(jnp.finfo(dtype).minexp))
 
 
 def align_to_largest(operands: Sequence[ScaledArray]) -> tuple[list[ScaledArray], Array]:

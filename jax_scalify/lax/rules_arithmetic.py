@@ -182,13 +182,47 @@ def _scaled_aligned(prim: Primitive, operands: Sequence[Any], params: dict, boun
     operand) round a trace-time constant moved to a larger scale in narrow data towards the
     side that keeps it a bound, :func:`_bound_rescaled`.
     """
-    scaled = [x for x in operands if isinstance(x, ScaledArray)]
-    scale = largest_scale(scaled)
     bounds = list(bounds) or [0] * len(operands)
+    scale = _bounded_scale(operands, bounds)
     inputs = [
         _bound_rescaled(x, scale, bound) if isinstance(x, ScaledArray) else x for x, bound in zip(operands, bounds)
     ]
     return ScaledArray(_bind(prim, *inputs, **params), scale)
+
+
+def _bounded_scale(operands: Sequence[Any], bounds: Sequence[int]) -> Array:
+    """The common scale of ``operands``; a bound that no value at the others' scale can cross does not raise it.
+
+    A constant lower bound below ``-max * s`` (``max`` the largest finite value of the
+    16- or 8-bit data dtype, ``s`` the largest scale of the other operands), or an upper
+    bound above ``max * s``, is below (above) every value those operands can hold: at scale
+    ``s`` it saturates at ``-max`` (``max``) and the result is the same. ``jnp.clip(x,
+    -1e30, 1e30)`` on float16 data at scale 2 keeps scale 2 (aligned to the constants, at
+    ``2**14`` above the data's scale each, the second bound flushed the data).
+    """
+    scaled = [x for x in operands if isinstance(x, ScaledArray)]
+    full = largest_scale(scaled)
+    slack = [
+        i
+        for i, (x, bound) in enumerate(zip(operands, bounds))
+        if bound and isinstance(x, ScaledArray) and narrow_range(x.dtype) and _is_outer_constant(x, bound)
+    ]
+    rest = [x for i, x in enumerate(operands) if isinstance(x, ScaledArray) and i not in slack]
+    if not slack or not rest or all(is_numpy(x.scale) for x in rest):
+        return full
+    rest_scale = largest_scale(rest)
+    nearest = min(float(np.min(np.abs(np.asarray(operands[i].data, np.float64)) * operands[i].scale)) for i in slack)
+    largest = float(jnp.finfo(operands[slack[0]].dtype).max)
+    beyond = jnp.asarray(rest_scale) * np.float32(largest) <= np.float32(min(nearest, float(np.finfo(np.float32).max)))
+    return as_scale(jnp.where(beyond, rest_scale, full))
+
+
+def _is_outer_constant(x: ScaledArray, bound: int) -> bool:
+    """A trace-time constant on the side a bound does not bind: negative for a lower bound, positive for an upper one."""
+    if is_any_scale(x) or not (is_numpy(x.data) and is_numpy(x.scale)) or np.ndim(x.scale) != 0:
+        return False
+    values = np.asarray(x.data, np.float64) * np.float64(x.scale)
+    return bool(np.size(values)) and bool(np.all(values < 0) if bound > 0 else np.all(values > 0))
 
 
 def _bound_rescaled(x: ScaledArray, scale: Array, bound: int) -> ScaledArray:
@@ -207,9 +241,9 @@ def _bound_rescaled(x: ScaledArray, scale: Array, bound: int) -> ScaledArray:
     if is_numpy(scale) and np.array_equal(x.scale, scale):
         return ScaledArray(x.data, scale)
     exact = widen(x.data) * jnp.asarray(as_scale(x.scale) / as_scale(scale), jnp.float32)
-    rounded = exact.astype(x.dtype)
-    missed = rounded.astype(jnp.float32) < exact if bound > 0 else rounded.astype(jnp.float32) > exact
     largest = float(jnp.finfo(x.dtype).max)  # not inf: float8_e4m3fn has none
+    rounded = jnp.clip(exact, -largest, largest).astype(x.dtype)  # saturated: see largest_scale
+    missed = rounded.astype(jnp.float32) < exact if bound > 0 else rounded.astype(jnp.float32) > exact
     towards = jnp.full(rounded.shape, largest if bound > 0 else -largest, x.dtype)
     return ScaledArray(jnp.where(missed, lax.nextafter(rounded, towards), rounded), scale)
 

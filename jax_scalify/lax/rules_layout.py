@@ -32,6 +32,7 @@ from .base_scaling import (
     bind_aligned,
     bind_keep_scale,
     is_any_scale,
+    is_numpy,
     largest_scale,
     numpy_api,
     rescale,
@@ -59,6 +60,8 @@ def _scale_with_scalar_fill(operand: ScaledArray, fill: ScaledArray) -> Array:
     """
     if is_any_scale(fill) or is_any_scale(operand):
         return largest_scale([operand, fill])
+    if is_numpy(fill.data) and is_numpy(fill.scale) and np.all(np.isfinite(fill.data) & (fill.data != 0)):
+        return largest_scale([operand, fill])  # a constant: at its fitting scale, within reach of the operand's
     npapi = numpy_api(fill.data, operand.scale, fill.scale)
     free = ~npapi.isfinite(fill.data) | (fill.data == 0)
     s_operand, s_fill = as_scale(operand.scale), as_scale(fill.scale)

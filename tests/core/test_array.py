@@ -59,8 +59,12 @@ def test_outside_scalify_errors_are_clear():
     x = jsa.scaled_array([1.0, 2.0], 2.0)
     with pytest.raises(TypeError, match="scalify"):
         jnp.sin(x)
-    with pytest.raises(TypeError, match="scalify"):
+    with pytest.raises(TypeError, match="arithmetic outside jsa.scalify"):
         x + 1
+    with pytest.raises(TypeError, match="comparisons outside jsa.scalify"):
+        _ = x < 1
+    with pytest.raises(TypeError, match=r"indexing \(x\[...\]"):
+        _ = x[...]
 
 
 def test_as_scaled_array_tree():

@@ -74,13 +74,63 @@ def test_where_mask_constant_keeps_its_value_and_the_data(dtype, jit):
     np.testing.assert_allclose(exact_value(out), expected, rtol=_rtol(dtype))
 
 
-def test_where_mask_constant_in_float8_keeps_its_value():
-    """In float8 (max 448) the mask value needs the scale 2**22, below which x's data flushes:
-    one scale per tensor cannot hold both; the mask value itself stays exact and finite."""
-    out = jsa.scalify(lambda x: jnp.where(x > 0.7, x, -1e9))(_scaled(X, jnp.float8_e4m3fn))
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_mask_constant_beyond_float8s_reach_saturates_and_the_data_stay(jit):
+    """In E4M3 (max 448) ``-1e9`` needs the scale 2**22, at which x's data would flush: one
+    scale per tensor cannot hold both. The masked entries saturate below every kept value
+    (plain FP8 holds NaN there: E4M3 has no inf), and the kept values keep their data."""
+    out = _run(lambda x: jnp.where(x > 0.7, x, -1e9), _scaled(X, jnp.float8_e4m3fn), jit=jit)
     _check_finite_pow2_scale(out)
-    masked = exact_value(out)[X <= 0.7]
-    np.testing.assert_allclose(masked, -1e9, rtol=_rtol(jnp.float8_e4m3fn))
+    value = exact_value(out)
+    kept = X > 0.7
+    np.testing.assert_array_equal(value[kept], X[kept])
+    assert np.all(np.isfinite(value)) and np.all(value[~kept] <= -(2.0**10) * np.max(np.abs(X)))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("mask", [-1e30, float(np.finfo(np.float32).min)], ids=["-1e30", "f32min"])
+def test_a_float32_mask_on_float16_data_saturates_and_the_data_stay(mask, jit):
+    """float32's min as a mask (``jnp.finfo(jnp.float32).min``, as float32 code writes it)
+    fits float16 data only at 2**113, where unit-sized data flush: the loss of an InfoNCE
+    with a masked diagonal was 0 in float16 under scalify (plain float16: -inf there, 3.6875)."""
+    sim = np.random.RandomState(0).uniform(-5, 5, (8, 8)).astype(np.float32)
+    labels = (np.arange(8) + 4) % 8
+
+    def loss(s):
+        s = jnp.where(jnp.eye(8, dtype=bool), mask, s)
+        return optax.softmax_cross_entropy_with_integer_labels(s, labels).mean()
+
+    expected = jax.value_and_grad(loss)(jnp.asarray(sim, jnp.float16).astype(jnp.float32))
+    got = _run(jax.value_and_grad(loss), _scaled(sim, jnp.float16), jit=jit)
+    np.testing.assert_allclose(float(got[0]), float(expected[0]), rtol=1e-3)
+    np.testing.assert_allclose(np.asarray(jsa.asarray(got[1], jnp.float32)), expected[1], rtol=1e-2, atol=1e-4)
+    masked = _run(lambda s: jnp.where(jnp.eye(8, dtype=bool), mask, s), _scaled(sim, jnp.float16), jit=jit)
+    # The common scale is at most 2**14 above the data's (2): their values are kept to the
+    # spacing of float16 subnormals there, 2**-24 * 2**15.
+    off_diagonal = ~np.eye(8, dtype=bool)
+    kept = sim.astype(np.float16)[off_diagonal]
+    np.testing.assert_allclose(exact_value(masked)[off_diagonal], kept, rtol=1e-3, atol=2.0**-9)
+    assert np.all(exact_value(masked)[~off_diagonal] < -(2.0**20) * float(np.max(np.abs(kept))))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_scatter_of_a_large_constant_keeps_the_other_entries_under_grad(jit):
+    """``s.at[i, i].set(-1e9)`` under ``jax.grad``: JAX's JVP of the scatter adds the constant,
+    selected by a traced mask (a value whose scale, 2**30, is known at trace time), into the
+    zeroed diagonal; aligned at 2**30, the float16 similarities flushed and the loss was 0."""
+    sim = np.random.RandomState(0).uniform(-5, 5, (8, 8)).astype(np.float32)
+    labels = (np.arange(8) + 4) % 8
+
+    def loss(s):
+        s = s.at[jnp.arange(8), jnp.arange(8)].set(-1e9)
+        return optax.softmax_cross_entropy_with_integer_labels(s, labels).mean()
+
+    expected = jax.value_and_grad(loss)(jnp.asarray(sim, jnp.float16).astype(jnp.float32))
+    for policy in (None, jsa.RescalePolicy.static()):
+        scalified = jsa.scalify(jax.value_and_grad(loss), policy=policy)
+        got = (jax.jit(scalified) if jit else scalified)(_scaled(sim, jnp.float16))
+        np.testing.assert_allclose(float(got[0]), float(expected[0]), rtol=1e-3)
+        np.testing.assert_allclose(np.asarray(jsa.asarray(got[1], jnp.float32)), expected[1], rtol=1e-2, atol=1e-4)
 
 
 # Scale of the second moment v, so that eps = 1e-8 at the scale of sqrt(v) is within the data
@@ -408,3 +458,29 @@ def test_widened_example():
     x = jnp.ones(2, jnp.int8)
     assert constants.widened_example(x) is x
     assert constants.is_narrow_float(jnp.float8_e5m2) and not constants.is_narrow_float(jnp.float32)
+
+
+HUGE = float(np.finfo(np.float32).min)
+PLACEMENTS = {
+    "pad": lambda s: jnp.pad(s, 1, constant_values=HUGE)[1:-1, 1:-1],
+    "concatenate": lambda s: jnp.concatenate([s, jnp.full((1, 4), HUGE, s.dtype)])[:-1],
+    "dynamic_update_slice": lambda s: jax.lax.dynamic_update_slice(s, jnp.full((1, 4), HUGE, s.dtype), (0, 0))[1:],
+    "scatter": lambda s: s.at[0].set(HUGE)[1:],
+    "maximum": lambda s: jnp.maximum(s, HUGE),
+    "clip": lambda s: jnp.clip(s, HUGE, -HUGE),
+}
+
+
+@pytest.mark.parametrize("place", list(PLACEMENTS), ids=list(PLACEMENTS))
+def test_float16_data_placed_beside_float32s_largest_constant_keep_their_values(place):
+    """A constant that float16 data could share a scale with only at 2**113 (float32's min,
+    a sentinel in float32 code) no longer sets the common scale: the data keep their values,
+    the constant saturates (``jnp.clip`` at ``±float32 max`` keeps the data's own scale)."""
+    x = np.random.RandomState(1).uniform(-5, 5, (4, 4)).astype(np.float16)
+    fn = PLACEMENTS[place]
+    scaled = _scaled(x, jnp.float16)
+    out = _run(fn, scaled, jit=True)
+    expected = np.asarray(fn(jnp.asarray(x, jnp.float32)))
+    np.testing.assert_allclose(exact_value(out), expected, rtol=1e-3, atol=2.0**-9)
+    if place in ("maximum", "clip"):
+        np.testing.assert_array_equal(np.asarray(out.scale), np.asarray(scaled.scale))

@@ -104,10 +104,11 @@ def test_pad_with_zero_or_inf_keeps_scale(fn):
 
 
 def test_pad_with_nonzero_value_aligns_to_largest():
-    """The constant 3.0 = 0.75 * 2**2 has scale 4, larger than the operand's."""
+    """A constant fill counts, as in a select, at the smallest scale at which its data dtype
+    holds it (far below 2**-8 for 3.0 in float32): the operand keeps its scale."""
     x = jsa.as_scaled_array(np.ones((2, 2), np.float32), scale=np.float32(2.0**-8))
     out = jsa.scalify(lambda a: jnp.pad(a, 1, constant_values=3.0), policy=STATIC_POLICY)(x)
-    assert float(out.scale) == 4.0
+    assert float(out.scale) == 2.0**-8
     np.testing.assert_array_equal(out.to_array(), np.pad(np.ones((2, 2), np.float32), 1, constant_values=3.0))
 
 
