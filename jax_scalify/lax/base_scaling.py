@@ -604,13 +604,15 @@ def narrow_limit(dtype: Any) -> np.float32:
     return np.float32(2.0 ** (jnp.finfo(dtype).maxexp - 2))
 
 
-def narrowed_within_range(x: ScaledArray, dtype: Any) -> ScaledArray:
+def narrowed_within_range(x: ScaledArray, dtype: Any, lift: bool = False) -> ScaledArray:
     """``x`` (wide data) cast to the narrow ``dtype``, its scale raised where its largest entry would overflow.
 
     A statistic of a sample sets a unit-sized RMS; an entry more than about ``2**15`` times
     that RMS (a bias gradient where a few units carry everything) would become inf in
     float16. The largest magnitude of the whole tensor bounds the data at half the dtype's
     largest power of two (a power-of-two factor: exact), at the cost of one reduction.
+    With ``lift``, data whose largest entry is below ``2**-8`` are also moved up until it is
+    in ``[1, 2)`` (the scale lowered, kept a normal number), from the same reduction.
     """
     if np.size(x.data) == 0:
         return ScaledArray(x.data.astype(dtype), x.scale)
@@ -618,6 +620,10 @@ def narrowed_within_range(x: ScaledArray, dtype: Any) -> ScaledArray:
     peak = largest_magnitude(x.data)
     factor = jnp.where(jnp.isfinite(peak) & (peak > limit), pow2_round_up(peak / limit), np.float32(1))
     scale = as_scale(x.scale)
+    if lift:
+        small = jnp.isfinite(peak) & (peak > 0) & (peak < np.float32(2.0**-8))
+        lifted = jnp.maximum(pow2_round_down(peak), (scale_bounds()[0] / scale).astype(np.float32))
+        factor = jnp.where(small, lifted, factor)
     # Divided, not multiplied by ``1 / factor``: the same exact result, and on XLA:CPU the
     # float16 GPT step of benchmarks/overhead.py runs in 160 ms this way, 245 ms the other.
     return ScaledArray((x.data / factor.astype(x.data.dtype)).astype(dtype), scale * factor.astype(scale.dtype))

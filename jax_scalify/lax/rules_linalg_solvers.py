@@ -3,8 +3,10 @@
 Each factorisation is homogeneous in its input: for a power-of-two ``s`` the floating-point
 algorithm on ``d * s`` does the same operations as on ``d``, every intermediate multiplied
 by a power of ``s`` (pivot and rotation choices compare ratios, which ``s`` leaves
-unchanged). So the primitive is bound on the data with the equation's params, and each
-output gets the power of the input scale it is homogeneous of (exact):
+unchanged). So the primitive is bound on the data with the equation's params (widened to
+float32 for 16- and 8-bit data, which LAPACK has no kernels for: plain float16 raises there;
+the outputs return to the data dtype), and each output gets the power of the input scale it
+is homogeneous of (exact):
 
 - degree 1 (scale ``s_a``): R of QR, singular values, eigenvalues, U of LU, the Schur form,
   the Hessenberg and tridiagonal forms; degree 1/2: the Cholesky factor (an odd exponent
@@ -142,6 +144,12 @@ def scaled_custom_linear_solve(*args: Any, const_lengths: Any, jaxprs: Any, **pa
     return eval_closed_jaxpr(jaxprs.solve, [*solve_consts, *rhs])
 
 
+def _on_data(prim, a: ScaledArray, params: dict) -> list:
+    """``prim`` on the data of ``a``, in float32 for narrow data (LAPACK has no float16 kernels); real floating outputs back in ``a``'s dtype."""
+    outs = _bind(prim, widen(a.data), **params)
+    return [o.astype(a.dtype) if jnp.issubdtype(o.dtype, jnp.floating) else o for o in outs]
+
+
 # --- factorisations --------------------------------------------------------------------------
 @register_scaled_lax_op
 def scaled_cholesky(a: ScaledArray, **params) -> ScaledArray:
@@ -153,15 +161,15 @@ def scaled_cholesky(a: ScaledArray, **params) -> ScaledArray:
 def scaled_lu(a: ScaledArray, **params) -> list:
     """Packed LU with scale s_a: U (degree 1) as computed, unit-lower L stored / s_a; pivots, permutation plain."""
     a = with_scalar_scale(a)
-    lu, pivots, permutation = _bind(P.lu_p, a.data, **params)
-    return [_packed(lu, a.scale, offset=0), pivots, permutation]
+    lu, pivots, permutation = _bind(P.lu_p, widen(a.data), **params)
+    return [_packed(lu, a.scale, offset=0).astype(a.dtype), pivots, permutation]
 
 
 @register_scaled_lax_op
 def scaled_qr(a: ScaledArray, **params) -> list:
     """Q scale 1, R scale s_a, QR of the data; column pivots (pivoting=True) plain."""
     a = with_scalar_scale(a)
-    q, r, *pivots = _bind(P.qr_p, a.data, **params)
+    q, r, *pivots = _on_data(P.qr_p, a, params)
     return [_unit(q), ScaledArray(r, as_scale(a.scale)), *pivots]
 
 
@@ -169,7 +177,7 @@ def scaled_qr(a: ScaledArray, **params) -> list:
 def scaled_svd(a: ScaledArray, **params) -> list:
     """Singular values scale s_a, U and V^H scale 1, SVD of the data."""
     a = with_scalar_scale(a)
-    s, *uv = _bind(P.svd_p, a.data, **params)
+    s, *uv = _on_data(P.svd_p, a, params)
     return [ScaledArray(s, as_scale(a.scale)), *(_unit(v) for v in uv)]
 
 
@@ -177,7 +185,7 @@ def scaled_svd(a: ScaledArray, **params) -> list:
 def scaled_eigh(a: ScaledArray, **params) -> list:
     """Eigenvectors scale 1, eigenvalues scale s_a, eigh of the data."""
     a = with_scalar_scale(a)
-    vectors, values = _bind(P.eigh_p, a.data, **params)
+    vectors, values = _on_data(P.eigh_p, a, params)
     return [_unit(vectors), ScaledArray(values, as_scale(a.scale))]
 
 
@@ -185,7 +193,7 @@ def scaled_eigh(a: ScaledArray, **params) -> list:
 def scaled_eig(a: ScaledArray, **params) -> list:
     """Plain complex outputs (no complex scales): eig of the data, eigenvalues times s_a, eigenvectors as they are."""
     a = with_scalar_scale(a)
-    values, *vectors = _bind(P.eig_p, a.data, **params)
+    values, *vectors = _on_data(P.eig_p, a, params)
     return [values * jnp.asarray(a.scale).astype(values.dtype), *vectors]
 
 
@@ -199,7 +207,7 @@ def scaled_schur(a: ScaledArray, *, select_callable: Callable | None, **params) 
     if select_callable is not None:
         outs = _on_values(P.schur_p, [a], dict(params, select_callable=select_callable), a.dtype)
         return [_unit(o) for o in outs]
-    t, *vectors = _bind(P.schur_p, a.data, select_callable=None, **params)
+    t, *vectors = _on_data(P.schur_p, a, dict(params, select_callable=None))
     return [ScaledArray(t, as_scale(a.scale)), *(_unit(v) for v in vectors)]
 
 
@@ -207,7 +215,7 @@ def scaled_schur(a: ScaledArray, *, select_callable: Callable | None, **params) 
 def scaled_hessenberg(a: ScaledArray, **params) -> list:
     """Packed Hessenberg form scale s_a, reflectors below the subdiagonal stored / s_a; taus scale 1."""
     a = with_scalar_scale(a)
-    packed, taus = _bind(P.hessenberg_p, a.data, **params)
+    packed, taus = _on_data(P.hessenberg_p, a, params)
     return [_packed(packed, a.scale, offset=1), _unit(taus)]
 
 
@@ -215,7 +223,7 @@ def scaled_hessenberg(a: ScaledArray, **params) -> list:
 def scaled_tridiagonal(a: ScaledArray, *, lower: bool, **params) -> list:
     """Packed form, diagonal and off-diagonal scale s_a, reflectors stored / s_a; taus scale 1."""
     a = with_scalar_scale(a)
-    packed, d, e, taus = _bind(P.tridiagonal_p, a.data, lower=lower, **params)
+    packed, d, e, taus = _on_data(P.tridiagonal_p, a, dict(params, lower=lower))
     scale = as_scale(a.scale)
     return [_packed(packed, scale, offset=1, lower=lower), ScaledArray(d, scale), ScaledArray(e, scale), _unit(taus)]
 

@@ -292,3 +292,28 @@ def test_linalg_rules_are_exported_with_summaries():
     summaries = {prim.name: entry.summary for prim, entry in jsa.extend.registered_rules().items()}
     for name in ("triangular_solve", "cholesky", "lu", "qr", "svd", "eigh", "eig", "custom_linear_solve"):
         assert summaries[name], name
+
+
+FLOAT16_LINALG = {
+    "qr": lambda a: jnp.sum(jnp.log(jnp.abs(jnp.diagonal(jnp.linalg.qr(a)[1])))),
+    "svd": lambda a: jnp.sum(jnp.linalg.svd(a, compute_uv=False)),
+    "eigvalsh": lambda a: jnp.sum(jnp.log(jnp.linalg.eigvalsh(a @ a.T))),
+    "slogdet": lambda a: jnp.linalg.slogdet(a)[1],
+    "inv": lambda a: jnp.trace(jnp.linalg.inv(a)),
+}
+
+
+@pytest.mark.parametrize("name", list(FLOAT16_LINALG), ids=list(FLOAT16_LINALG))
+def test_factorisations_of_float16_data_run_in_float32(name):
+    """LAPACK has no float16 kernels: plain float16 raises ``Unsupported dtype float16``, and
+    so did these rules on a float16 weight of the README recipe (a nuclear-norm or
+    log-determinant term). The factorisation now runs on the data in float32."""
+    a = np.eye(8, dtype=np.float32) + 0.3 * np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32)
+    a16 = a.astype(np.float16)
+    fn = FLOAT16_LINALG[name]
+    expected_value, expected_grad = jax.value_and_grad(fn)(jnp.asarray(a16, jnp.float32))
+    scaled = jsa.tree.astype(jsa.as_scaled_array(jnp.asarray(a16, jnp.float32), scale=np.float32(2.0**-6)), jnp.float16)
+    value, grad = jax.jit(jsa.scalify(jax.value_and_grad(fn)))(scaled)
+    assert grad.dtype == jnp.float16
+    np.testing.assert_allclose(float(value), float(expected_value), rtol=0.01, atol=0.01)
+    np.testing.assert_allclose(np.asarray(jsa.asarray(grad, jnp.float32)), expected_grad, rtol=0.05, atol=0.05)

@@ -355,3 +355,30 @@ def test_missing_rule_names_the_primitive(restore_registry):
 def test_scaled_array_outside_scalify_is_rejected():
     with pytest.raises(TypeError, match="scalify"):
         jnp.tanh(_scaled([1.0], 0))
+
+
+def test_a_square_of_small_float16_data_is_lifted_out_of_the_subnormals():
+    """``exp`` gives scale 1, so a standard deviation ``exp(-5.5) = 4e-3`` sits in float16
+    data; its square (1.7e-5) was a subnormal, and the backward pass of
+    ``jax.scipy.stats.norm.logpdf`` divided the cotangent by it: inf gradients, where a
+    mixture density network with sharp modes went NaN (plain float16 is inf from -4)."""
+    sigma = jsa.as_scaled_array(jnp.full((4,), 4e-3, jnp.float16), scale=np.float32(1))
+    square = jsa.scalify(jnp.square, policy=STATIC_POLICY)(sigma)
+    assert 1 <= float(jnp.max(jnp.abs(square.data.astype(jnp.float32)))) < 2
+    np.testing.assert_allclose(np.asarray(jsa.asarray(square, jnp.float32)), np.float32(4e-3) ** 2, rtol=2e-3)
+
+    def nll(log_std, mu, y):
+        comp = jax.scipy.stats.norm.logpdf(y[:, None], mu, jnp.exp(log_std))
+        return -jnp.mean(jax.scipy.special.logsumexp(comp, axis=-1))
+
+    args = (
+        np.full((2, 2), -5.5, np.float32),
+        np.array([[0.001, 0.499]] * 2, np.float32),
+        np.array([0.0, 0.5], np.float32),
+    )
+    expected = jax.grad(nll, argnums=(0, 1))(*args)
+    scaled = [jsa.tree.astype(jsa.as_scaled_array(jnp.asarray(a)), jnp.float16) for a in args]
+    got = jsa.asarray(jax.jit(jsa.scalify(jax.grad(nll, argnums=(0, 1))))(*scaled), jnp.float32)
+    for g, e in zip(got, expected):
+        assert np.all(np.isfinite(np.asarray(g)))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=0.03, atol=0.01)
