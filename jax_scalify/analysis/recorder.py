@@ -398,6 +398,7 @@ _COLUMNS = (
     ("log2 data", 9, "log2_rms_data"),
     ("log2 scale", 10, "log2_scale"),
     ("%uflow", 6, "frac_underflow"),
+    ("%nonfin", 7, "frac_nonfinite"),
 )
 _SOURCE_WIDTH = 36
 

@@ -198,6 +198,15 @@ def test_table_format(small_report):
     assert "backward" in report.summary() and "forward" in report.summary()
 
 
+def test_table_shows_non_finite_data_apart_from_zeros():
+    """The log2 columns are RMS of the finite entries, so a tensor of zeros and infs read
+    ``-inf`` there like an all-zero one; the ``%nonfin`` column tells them apart."""
+    report = record_scales(lambda x: 1 / x, _scaled(np.array([0.0, 1.0, 2.0, 4.0]), 1.0))
+    header, _, *rows = report.to_table().splitlines()
+    end = header.index("%nonfin") + len("%nonfin")
+    assert rows[-1][end - 7 : end].strip() == "25.0"
+
+
 def test_json_format_is_strict_json(small_report):
     report = small_report
     data = json.loads(report.to_json())  # -inf (all zero) becomes null, so strict parsers accept it
