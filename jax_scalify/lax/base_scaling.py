@@ -268,12 +268,12 @@ def rescale(x: ScaledArray, new_scale: Array) -> ScaledArray:
     if scale is new_scale or (is_numpy(scale) and is_numpy(new_scale) and np.array_equal(scale, new_scale)):
         return ScaledArray(x.data, new_scale)
     if is_numpy(scale) and not is_numpy(new_scale) and narrow_range(x.dtype):
-        return ScaledArray(_saturated(widen(x.data) * scale_quotient(scale, new_scale), x.dtype), new_scale)
+        return ScaledArray(saturated_cast(widen(x.data) * scale_quotient(scale, new_scale), x.dtype), new_scale)
     return ScaledArray(mul_data(x.data, scale_quotient(scale, new_scale)), new_scale)
 
 
-def _saturated(wide: Array, dtype: Any) -> Array:
-    """Wide data cast to the narrow ``dtype``, clipped to its largest finite value (no inf)."""
+def saturated_cast(wide: Array, dtype: Any) -> Array:
+    """Wide data cast to the narrow ``dtype``, clipped to its largest finite value (no inf; E4M3 has none)."""
     largest = float(jnp.finfo(dtype).max)
     return jnp.clip(wide, -largest, largest).astype(dtype)
 
@@ -697,6 +697,7 @@ def rebalance_stacked(data: Array, scales: Array) -> ScaledArray:
 __all__ = [
     "ScaleMap",
     "align_to_largest",
+    "saturated_cast",
     "any_scale_array",
     "as_scale",
     "bind_aligned",

@@ -54,6 +54,7 @@ from .base_scaling import (
     rescale,
     rescaled_and_narrowed,
     round_scale,
+    saturated_cast,
     scale_max,
     scale_min,
     scaled_from_value,
@@ -202,27 +203,29 @@ def _bounded_scale(operands: Sequence[Any], bounds: Sequence[int]) -> Array:
     """
     scaled = [x for x in operands if isinstance(x, ScaledArray)]
     full = largest_scale(scaled)
-    slack = [
-        i
-        for i, (x, bound) in enumerate(zip(operands, bounds))
-        if bound and isinstance(x, ScaledArray) and narrow_range(x.dtype) and _is_outer_constant(x, bound)
-    ]
-    rest = [x for i, x in enumerate(operands) if isinstance(x, ScaledArray) and i not in slack]
-    if not slack or not rest or all(is_numpy(x.scale) for x in rest):
+    outer = {i: _outer_magnitude(x, bound) for i, (x, bound) in enumerate(zip(operands, bounds)) if bound}
+    outer = {i: m for i, m in outer.items() if m is not None}
+    rest = [x for i, x in enumerate(operands) if isinstance(x, ScaledArray) and i not in outer]
+    if not outer or not rest or all(is_numpy(x.scale) for x in rest):
         return full
     rest_scale = largest_scale(rest)
-    nearest = min(float(np.min(np.abs(np.asarray(operands[i].data, np.float64)) * operands[i].scale)) for i in slack)
-    largest = float(jnp.finfo(operands[slack[0]].dtype).max)
-    beyond = jnp.asarray(rest_scale) * np.float32(largest) <= np.float32(min(nearest, float(np.finfo(np.float32).max)))
+    largest = float(jnp.finfo(rest[0].dtype).max)
+    nearest = min(min(outer.values()), float(np.finfo(np.float32).max))
+    beyond = jnp.asarray(rest_scale) * np.float32(largest) <= np.float32(nearest)
     return as_scale(jnp.where(beyond, rest_scale, full))
 
 
-def _is_outer_constant(x: ScaledArray, bound: int) -> bool:
-    """A trace-time constant on the side a bound does not bind: negative for a lower bound, positive for an upper one."""
-    if is_any_scale(x) or not (is_numpy(x.data) and is_numpy(x.scale)) or np.ndim(x.scale) != 0:
-        return False
+def _outer_magnitude(x: Any, bound: int) -> float | None:
+    """For a 16/8-bit trace-time constant on the side a bound does not bind (negative for a
+    lower bound, positive for an upper one): its smallest magnitude; else ``None``."""
+    if not isinstance(x, ScaledArray) or not narrow_range(x.dtype) or is_any_scale(x):
+        return None
+    if not (is_numpy(x.data) and is_numpy(x.scale)) or np.ndim(x.scale) != 0 or np.size(x.data) == 0:
+        return None
     values = np.asarray(x.data, np.float64) * np.float64(x.scale)
-    return bool(np.size(values)) and bool(np.all(values < 0) if bound > 0 else np.all(values > 0))
+    if not (np.all(values < 0) if bound > 0 else np.all(values > 0)):
+        return None
+    return float(np.min(np.abs(values)))
 
 
 def _bound_rescaled(x: ScaledArray, scale: Array, bound: int) -> ScaledArray:
@@ -241,9 +244,9 @@ def _bound_rescaled(x: ScaledArray, scale: Array, bound: int) -> ScaledArray:
     if is_numpy(scale) and np.array_equal(x.scale, scale):
         return ScaledArray(x.data, scale)
     exact = widen(x.data) * jnp.asarray(as_scale(x.scale) / as_scale(scale), jnp.float32)
-    largest = float(jnp.finfo(x.dtype).max)  # not inf: float8_e4m3fn has none
-    rounded = jnp.clip(exact, -largest, largest).astype(x.dtype)  # saturated: see largest_scale
+    rounded = saturated_cast(exact, x.dtype)  # see largest_scale
     missed = rounded.astype(jnp.float32) < exact if bound > 0 else rounded.astype(jnp.float32) > exact
+    largest = float(jnp.finfo(x.dtype).max)
     towards = jnp.full(rounded.shape, largest if bound > 0 else -largest, x.dtype)
     return ScaledArray(jnp.where(missed, lax.nextafter(rounded, towards), rounded), scale)
 

@@ -56,12 +56,14 @@ def _scale_with_scalar_fill(operand: ScaledArray, fill: ScaledArray) -> Array:
     The fill is one scalar, so whether its value is the same at every scale is checked on its
     data (at run time when traced): a zero or infinite fill adopts the operand's scale
     instead of pulling the operand's data down to its own (scale 1 for an unknown 0). A zero
-    common scale (everything asserted zero) becomes 1.
+    common scale (everything asserted zero) becomes 1. A non-zero finite constant fill counts
+    as in a select (:func:`~jax_scalify.lax.base_scaling.largest_scale`): at its fitting
+    scale, within reach of the operand's.
     """
     if is_any_scale(fill) or is_any_scale(operand):
         return largest_scale([operand, fill])
     if is_numpy(fill.data) and is_numpy(fill.scale) and np.all(np.isfinite(fill.data) & (fill.data != 0)):
-        return largest_scale([operand, fill])  # a constant: at its fitting scale, within reach of the operand's
+        return largest_scale([operand, fill])
     npapi = numpy_api(fill.data, operand.scale, fill.scale)
     free = ~npapi.isfinite(fill.data) | (fill.data == 0)
     s_operand, s_fill = as_scale(operand.scale), as_scale(fill.scale)

@@ -149,7 +149,7 @@ def scaled_square(x: ScaledArray, **params) -> ScaledArray:
 def _power(x: ScaledArray, power_of: Callable[[Any], Any], y: int, in_float32: bool) -> ScaledArray:
     """Scale s**y, data ``power_of(d)``; with ``in_float32``, narrow data are raised in float32 and narrowed within range.
 
-    Narrowed, the power's data are moved up where their largest entry is below 1: the
+    Narrowed, the power's data are moved up where their largest entry is below ``2**-8``: the
     square of float16 data of ``4e-3`` (``exp(log_std)`` at scale 1 in a mixture density
     network's ``norm.logpdf``) was a subnormal ``1.7e-5``, and the backward pass's division
     by it overflowed the cotangent (inf gradients from ``log_std = -5.5``).
