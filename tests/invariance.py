@@ -27,6 +27,7 @@ import pytest
 from hypothesis import given, settings
 
 import jax_scalify as jsa
+from jax_scalify.core.array import unscaled
 
 ArgMaker = Callable[[np.random.Generator], Any]
 
@@ -115,7 +116,8 @@ def assert_pow2_scales(tree: Any) -> None:
 
 
 def assert_close_values(got: Any, expected: Any, rtol: float, atol: float) -> None:
-    got_leaves = jax.tree.leaves(jsa.asarray(got))
+    # In the data dtype (readouts default to float32): the rule must give the dtype plain JAX gives.
+    got_leaves = jax.tree.leaves(jax.tree.map(unscaled, got, is_leaf=jsa.is_scaled_leaf))
     exp_leaves = jax.tree.leaves(expected)
     assert len(got_leaves) == len(exp_leaves)
     for g, e in zip(got_leaves, exp_leaves):
@@ -126,6 +128,21 @@ def assert_close_values(got: Any, expected: Any, rtol: float, atol: float) -> No
             np.testing.assert_allclose(g.astype(np.float64), e.astype(np.float64), rtol=rtol, atol=atol * scale)
         else:
             np.testing.assert_array_equal(g, e)
+
+
+def float64_reference(fn, values):
+    """``fn`` on the values in float64: the reference that float32 cannot compute at these scales.
+
+    Functions that do not run in float64 (index dtypes fixed to int32, ...) fall back to the
+    plain float32 run.
+    """
+    try:
+        with jax.enable_x64(True):
+            wide = [jnp.asarray(np.asarray(v, np.float64)) if _is_float(v) else jnp.asarray(v) for v in values]
+            return jax.tree.map(np.asarray, fn(*wide))
+    except TypeError:
+        narrow = [jnp.asarray(np.asarray(v, np.float32)) if _is_float(v) else jnp.asarray(v) for v in values]
+        return fn(*narrow)
 
 
 def draw_inputs(case: Case, data: st.DataObject) -> tuple[list, list]:

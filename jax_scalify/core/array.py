@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import Pow2RoundMode, get_scalify_config
-from .pow2 import pow2_exponent
+from .pow2 import pow2_exponent, pow2_round_up
 
 Array = Any
 DTypeLike = Any
@@ -30,6 +30,11 @@ _NOT_OUTSIDE_SCALIFY = (
     "ScaledArray does not support {what} outside jsa.scalify. Wrap the function that uses it "
     "with @jsa.scalify, or convert it first with x.to_array() / jsa.asarray(tree)."
 )
+
+
+# jax.Array's public methods and properties that ScaledArray does not define (x.sum(), x.T,
+# x.reshape(...)): outside scalify they raise the error above instead of a bare AttributeError.
+_JAX_ARRAY_ATTRIBUTES = frozenset(name for name in dir(jax.Array) if not name.startswith("_"))
 
 
 def _not_outside_scalify(what: str):
@@ -124,19 +129,19 @@ def _host_values(x: Any) -> np.ndarray:
     return np.asarray(_local(x))
 
 
-def _scale_problem(values: np.ndarray) -> str | None:
+def _scale_problem(values: np.ndarray, require_pow2: bool = True) -> str | None:
     """Why ``values`` cannot be a scale (None if they can), under the rounding mode in force.
 
     Allowed: ``0`` (the value is asserted to be zero; the rules keep it so) and positive
-    powers of two; under ``Pow2RoundMode.NONE``, where the rules themselves compute scales
-    that are no powers of two, any positive finite number.
+    powers of two (any positive finite number without ``require_pow2``, or under
+    ``Pow2RoundMode.NONE``, where the rules themselves compute scales that are no powers of two).
     """
     values = np.asarray(values, np.float64)
     if np.any(np.isnan(values)) or np.any(np.isinf(values)):
         return "is not finite"
     if np.any(values < 0):
         return "is negative (the rules assume a positive scale: put the sign in the data)"
-    if get_scalify_config().rounding_mode == Pow2RoundMode.NONE:
+    if not require_pow2 or get_scalify_config().rounding_mode == Pow2RoundMode.NONE:
         return None
     mantissa, _ = np.frexp(values)
     if np.any((values != 0) & (mantissa != 0.5)):
@@ -149,7 +154,8 @@ def _scale_error(where: str, scale_values: np.ndarray, problem: str) -> ValueErr
     return ValueError(
         f"{where} scale {shown if scale_values.size > 1 else scale_values.item()!r} {problem}. A scale "
         "must be 0 (the value is zero) or a positive power of two: let jsa.as_scaled_array(value) "
-        "choose it, round yours with jsa.core.pow2_round_down(scale), or, to use scales that are no "
+        "choose it, give yours as jsa.as_scaled_array(value, scale=s) (rounded up to a power of two, "
+        "the value kept), round it with jsa.core.pow2_round_down(scale), or, to use scales that are no "
         "powers of two on purpose, work under jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.NONE) "
         "(then any positive finite scale is allowed)."
     )
@@ -177,8 +183,9 @@ class ScaledArray:
     far outside the data dtype's range.
 
     Validation, where the scale is concrete (NumPy or a JAX array, not a tracer): the scale
-    must be a positive power of two, or ``0``, which asserts that the value is zero (the rules
-    keep it so, and ``0 * u`` does not pull a sum's scale down); a negative, non-finite or
+    must be a positive power of two, or ``0``, which asserts that the value is zero whatever
+    the (finite) data: every rule gives what plain JAX gives on ``to_array()``'s zeros (and
+    ``0 * u`` does not pull a sum's scale down); a negative, non-finite or
     other scale raises a ``ValueError`` saying what to do. Under
     ``jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.NONE)`` the rules compute scales
     that are no powers of two, so any positive finite scale is allowed there. A scale may
@@ -186,7 +193,9 @@ class ScaledArray:
     ``to_array``), but :func:`jax_scalify.scalify` accepts only scalar scales: every scale
     rule assumes one. The same checks run on the inputs of ``scalify``, which catches
     scales broken by plain ``jax.tree`` functions (they rebuild a ``ScaledArray`` without
-    calling this constructor; see ``docs/pytrees.md``).
+    calling this constructor; see ``docs/pytrees.md``). A traced scale (under ``jax.jit``)
+    cannot be checked; ``scalify`` makes an invalid one NaN, so its value is NaN rather
+    than wrong. ``jsa.as_scaled_array(value, scale=s)`` takes any positive scale and rounds it.
 
     A ``ScaledArray`` is a pytree with children ``(data, scale)`` (key paths ``.data`` and
     ``.scale``; a checkpoint restored without a target holds ``{"data", "scale"}``), so it passes through
@@ -299,24 +308,37 @@ class ScaledArray:
         """Abstract value of the data: what the array looks like to the traced function."""
         return jax.core.ShapedArray(self.shape, self.dtype)
 
-    def to_array(self, dtype: DTypeLike = None) -> Array:
-        """The value ``data * scale`` as a plain array of ``dtype`` (default: the data dtype).
+    @property
+    def value_dtype(self) -> np.dtype:
+        """The dtype of a readout (``to_array()``, ``np.asarray(x)``, ``jsa.asarray``): float32, or
+        float64 where the data or the scale is float64.
 
-        The product is formed in the wider of the data and scale dtypes, so a value outside
-        the data dtype's range is right whenever ``dtype`` can hold it.
+        The product ``data * scale`` in float32 holds every value of float16, bfloat16 and FP8
+        data at a float32 scale, which the data dtype itself would turn into inf or 0. It
+        depends on the dtypes only, never on the values, so it is the same under ``jax.jit``.
         """
-        dtype = self.dtype if dtype is None else dtype
+        widest = max(jnp.finfo(self.data.dtype).bits, jnp.finfo(self.scale.dtype).bits)
+        return np.dtype(np.float64 if widest == 64 else np.float32)
+
+    def to_array(self, dtype: DTypeLike = None) -> Array:
+        """The value ``data * scale`` as a plain array of ``dtype`` (default: :attr:`value_dtype`).
+
+        The product is formed in :attr:`value_dtype`, then cast to ``dtype``: pass
+        ``x.to_array(x.dtype)`` for an array of the data dtype (values outside its range then
+        become inf or 0, as in plain code of that dtype).
+        """
+        work = self.value_dtype
+        dtype = work if dtype is None else dtype
         npapi = np if isinstance(self.data, np.ndarray) and isinstance(self.scale, (np.ndarray, np.generic)) else jnp
-        widest = max(jnp.finfo(self.data.dtype).bits, jnp.finfo(self.scale.dtype).bits, 32)
-        work = jnp.float64 if widest == 64 else jnp.float32
         value = npapi.asarray(self.data).astype(work) * npapi.asarray(self.scale).astype(work)
         return value.astype(dtype)
 
     def astype(self, dtype: DTypeLike) -> ScaledArray:
         """Cast the data to ``dtype``; the scale is kept, so the value is unchanged up to rounding."""
         if not is_floating_dtype(dtype):
+            name = dtype if jnp.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)
             raise TypeError(
-                f"Cannot cast a ScaledArray to the non-floating dtype {np.dtype(dtype)}: its scale "
+                f"Cannot cast a ScaledArray to the non-floating dtype {name}: its scale "
                 "would be lost. Call x.to_array(dtype) for a plain array of that dtype."
             )
         return ScaledArray(self.data.astype(dtype), self.scale, any_scale=self.any_scale)
@@ -330,14 +352,14 @@ class ScaledArray:
         return f"ScaledArray(data={self.data!r}, scale={self.scale!r}{facts})"
 
     def _host_value(self, what: str, scalar: bool = True) -> np.ndarray:
-        """The value on the host, in float32 (float64 for float64 data): wide enough for any scale."""
+        """The value on the host, in :attr:`value_dtype`: wide enough for any scale."""
         if (scalar and self.ndim != 0) or not (is_concrete(self.data) and is_concrete(self.scale)):
             kind = "traced" if not is_concrete(self.data) else f"of shape {self.shape}"
             raise TypeError(
                 f"{what} needs a concrete {'0-d ' if scalar else ''}ScaledArray, got one {kind}. Convert "
                 "with x.to_array() (inside jax.jit, return it or use jax.debug.print)."
             )
-        return np.asarray(self.to_array(np.float64 if self.dtype == np.float64 else np.float32))
+        return np.asarray(self.to_array())
 
     def __float__(self) -> float:
         return float(self._host_value("float()"))
@@ -370,8 +392,27 @@ class ScaledArray:
     def __jax_array__(self):
         raise TypeError(_JAX_FUNCTION_OUTSIDE_SCALIFY)
 
+    def __getattr__(self, name: str):
+        # Called only for attributes the class does not define. An AttributeError (with the
+        # explanation), so that hasattr(x, "sum") stays False for duck-typing code.
+        if name in _JAX_ARRAY_ATTRIBUTES:
+            raise AttributeError(
+                _NOT_OUTSIDE_SCALIFY.format(what=f"the jax.Array attribute .{name}")
+                + f" Inside a scalified function x.{name} is the jax.Array one, applied to the value; "
+                "a plain jax.jit does not make it one (use jax.jit(jsa.scalify(f)))."
+            )
+        raise AttributeError(f"'ScaledArray' object has no attribute {name!r}")
+
+    def __len__(self) -> int:
+        """The length of the first axis, as ``len`` of a ``jax.Array`` (metadata, like ``shape``)."""
+        if self.ndim == 0:
+            raise TypeError("len() of a 0-d ScaledArray (as of a 0-d jax.Array)")
+        return self.shape[0]
+
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _not_outside_scalify("arithmetic")
     __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __pow__ = __neg__ = _not_outside_scalify("arithmetic")
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __rpow__ = _not_outside_scalify("arithmetic")
+    __abs__ = __pos__ = _not_outside_scalify("arithmetic")
     __lt__ = __le__ = __gt__ = __ge__ = _not_outside_scalify("comparisons")
     __getitem__ = _not_outside_scalify("indexing (x[...], also Flax's variable[...])")
 
@@ -440,8 +481,42 @@ def check_scalify_inputs(leaves: list, tree: Any = None, nested: bool = False) -
             raise _scale_error(f"jsa.scalify: the ScaledArray at {_leaf_name(tree, i)}:", values, problem)
 
 
-def _scale_bits_valid(scale: Array, require_pow2: bool) -> Array:
-    """True where ``scale`` is +-0 or positive finite (and a power of two if ``require_pow2``).
+def conform_traced_scales(leaves: list) -> list:
+    """The leaves that ``scalify`` receives, each traced scale that is not a valid scale made NaN.
+
+    The counterpart under ``jax.jit`` of :func:`check_scalify_inputs`' check of concrete
+    scales: a traced scale's value is unknown when ``scalify`` traces, so it cannot raise.
+    A scale that is not 0 or a positive power of two (positive and finite under
+    ``Pow2RoundMode.NONE``) becomes NaN, so the value is NaN wherever it goes instead of
+    silently wrong, and the rules' power-of-two contract holds (NaN is allowed). The scales
+    are tested together, one vector per scale dtype: a few scalar operations that XLA
+    fuses into one kernel, and the data are not touched (measured in ``docs/pytrees.md``).
+    """
+    where = [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, ScaledArray) and not is_concrete(x.scale) and np.ndim(x.scale) == 0
+    ]
+    if not where or is_evaluating_rules():
+        return leaves
+    require_pow2 = get_scalify_config().rounding_mode != Pow2RoundMode.NONE
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for i in where:
+        by_dtype.setdefault(np.dtype(leaves[i].scale.dtype), []).append(i)
+    out = list(leaves)
+    for dtype, indices in by_dtype.items():
+        scales = jnp.stack([leaves[i].scale for i in indices])
+        valid = _scale_bits_valid(scales, require_pow2, reduce=False)
+        scales = jax.lax.select(valid, scales, jnp.full(scales.shape, np.nan, dtype))
+        for k, i in enumerate(indices):
+            x = leaves[i]
+            out[i] = ScaledArray.unchecked(x.data, scales[k], any_scale=x.any_scale, slices=x.slices)
+    return out
+
+
+def _scale_bits_valid(scale: Array, require_pow2: bool, reduce: bool = True) -> Array:
+    """True where ``scale`` is +-0 or positive finite (and a power of two if ``require_pow2``):
+    for all its elements (``reduce``) or elementwise.
 
     Reads the bit pattern with integer operations only: comparisons of floats would treat
     subnormal scales as zero on backends that flush them.
@@ -458,10 +533,12 @@ def _scale_bits_valid(scale: Array, require_pow2: bool) -> Array:
     zero = magnitude == 0
     finite_positive = ~negative & (exponent != exponent_all_ones)
     if not require_pow2:
-        return jnp.all(zero | finite_positive)
-    normal_pow2 = (exponent != 0) & (mantissa == 0)
-    subnormal_pow2 = (exponent == 0) & (jax.lax.population_count(mantissa) == 1)
-    return jnp.all(zero | (finite_positive & (normal_pow2 | subnormal_pow2)))
+        valid = zero | finite_positive
+    else:
+        normal_pow2 = (exponent != 0) & (mantissa == 0)
+        subnormal_pow2 = (exponent == 0) & (jax.lax.population_count(mantissa) == 1)
+        valid = zero | (finite_positive & (normal_pow2 | subnormal_pow2))
+    return jnp.all(valid) if reduce else valid
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -572,7 +649,7 @@ def _as_scaled_leaf(x: Any, scale: Array | None) -> Any:
     if scale is not None:
         scale = npapi.asarray(scale).astype(scale_dtype)
         data = (npapi.asarray(x).astype(np.float32) / scale.astype(np.float32)).astype(x.dtype)
-        return ScaledArray(data, scale)
+        return ScaledArray.unchecked(data, scale)  # scale checked and rounded by as_scaled_array
     return ScaledArray(*_unit_rms_split(x, npapi, scale_dtype))
 
 
@@ -583,8 +660,9 @@ def _unit_rms_split(x: Array, npapi, scale_dtype) -> tuple[Array, Array]:
     two below it), so squaring neither underflows nor overflows anywhere in the float range.
     ``s`` is clamped to the normal range of ``scale_dtype`` (only float64 data can reach
     beyond float32's). For a scalar this is the exact mantissa / power-of-two split.
-    Empty, all-zero and non-finite inputs keep scale 1 (a 0 or inf scale would poison the
-    rules downstream).
+    All-zero inputs get scale 0 (the value is asserted zero, so that ``b * m + (1 - b) * g``
+    on a fresh moment takes the scale of ``g``); empty and non-finite inputs keep scale 1 (an
+    inf scale would turn zero data into nan).
     """
     x = npapi.asarray(x)
     work = x.astype(np.float64 if x.dtype == np.float64 else np.float32)
@@ -599,7 +677,7 @@ def _unit_rms_split(x: Array, npapi, scale_dtype) -> tuple[Array, Array]:
     info = jnp.finfo(scale_dtype)
     exponent = npapi.clip(exponent, info.minexp, info.maxexp - 1)
     scale = npapi.ldexp(npapi.ones((), work.dtype), exponent)
-    scale = npapi.where(usable, scale, npapi.ones_like(scale))
+    scale = npapi.where(usable, scale, npapi.where(peak == 0, npapi.zeros_like(scale), npapi.ones_like(scale)))
     data = npapi.ldexp(work, -npapi.where(usable, exponent, 0))
     return data.astype(x.dtype), scale.astype(scale_dtype)
 
@@ -607,11 +685,18 @@ def _unit_rms_split(x: Array, npapi, scale_dtype) -> tuple[Array, Array]:
 def as_scaled_array(tree: Any, scale: Array | None = None) -> Any:
     """Make every floating leaf of ``tree`` a ``ScaledArray`` with the same value.
 
-    - with ``scale`` given, floating arrays become ``ScaledArray(value / scale, scale)``;
+    - with ``scale`` given, floating arrays become ``ScaledArray(value / s, s)``, where ``s``
+      is ``scale`` rounded up to a power of two (``0.1`` gives ``0.125``; a power of two is
+      kept): the value is unchanged up to the rounding of the data, whose magnitudes are at
+      most those that ``value / scale`` would have (the rounding never pushes them toward
+      overflow). Unlike ``ScaledArray(data, scale)``, whose value a rounded scale would
+      change, this promises the value, so any positive finite ``scale`` is accepted (also a
+      traced one, rounded under ``jax.jit``); 0, negative and non-finite scales raise;
     - without it, the scale is the power of two just below the RMS of the array, so the data
       have an RMS in ``[1, 2)`` (the unit-scaling assumption every scale rule relies on).
       For a 0-d array this is the exact split into a mantissa in ``[1, 2)`` and a power of
-      two. All-zero or non-finite arrays get scale 1. Pass ``scale=1.0`` to keep the data
+      two. All-zero arrays get scale 0 (asserted zero: a fresh Adam moment takes the scale
+      of the first gradient added to it), non-finite ones scale 1. Pass ``scale=1.0`` to keep the data
       equal to the values;
     - only floating arrays are touched: integer, boolean and PRNG-key arrays, ``ScaledArray``
       leaves and every non-array leaf (Python numbers, functions, strings, ``None``) are
@@ -621,11 +706,11 @@ def as_scaled_array(tree: Any, scale: Array | None = None) -> Any:
       ``scalify`` treats as a constant; to scale a number, pass it as an array
       (``np.float32(x)``).
 
-    Scales have the configured scale dtype (float32 by default). A given ``scale`` must be a
-    positive power of two (any positive finite number under ``Pow2RoundMode.NONE``).
+    Scales have the configured scale dtype (float32 by default); under
+    ``Pow2RoundMode.NONE`` a given ``scale`` is kept as it is.
     """
     if scale is not None:
-        _check_given_scale(scale)
+        scale = _given_scale(scale)
         return jax.tree.map(lambda x: _as_scaled_leaf(x, scale), tree, is_leaf=is_scaled_leaf)
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_scaled_leaf)
     device = [i for i, x in enumerate(leaves) if _is_device_floating_array(x)]
@@ -650,30 +735,39 @@ def _unit_rms_splits(scale_dtype, *xs: Array) -> list[tuple[Array, Array]]:
     return [_unit_rms_split(x, jnp, scale_dtype) for x in xs]
 
 
-def _check_given_scale(scale: Any) -> None:
-    """``as_scaled_array``'s ``scale``: like a ScaledArray's scale, but 0 would make the data inf."""
-    scale = np.asarray(scale) if isinstance(scale, (float, int)) else scale
-    check_scale_values(scale, where="jsa.as_scaled_array:")
-    if is_concrete(scale) and np.any(_host_values(scale) == 0):
-        raise ValueError(
-            "jsa.as_scaled_array: scale 0 would divide the values by zero. Give a positive power of "
-            "two, or leave scale=None to pick the power of two below each array's RMS."
-        )
+def _given_scale(scale: Any) -> Array:
+    """``as_scaled_array``'s ``scale`` checked (positive and finite, where concrete) and rounded up to a power of two."""
+    npapi = jnp if isinstance(scale, jax.Array) else np
+    scale = npapi.asarray(scale).astype(get_scalify_config().scale_dtype)
+    if is_concrete(scale):
+        values = _host_values(scale)
+        problem = _scale_problem(values, require_pow2=False)
+        if problem is not None:
+            raise _scale_error("jsa.as_scaled_array:", values, problem)
+        if np.any(values == 0):
+            raise ValueError(
+                "jsa.as_scaled_array: scale 0 would divide the values by zero. Give a positive "
+                "scale, or leave scale=None to pick the power of two below each array's RMS."
+            )
+    if get_scalify_config().rounding_mode == Pow2RoundMode.NONE:
+        return scale
+    return pow2_round_up(scale)
 
 
 def asarray(tree: Any, dtype: DTypeLike = None) -> Any:
     """The inverse of :func:`as_scaled_array`: every ``ScaledArray`` becomes ``data * scale``.
 
-    Each value is given in its data's dtype unless ``dtype`` says otherwise: float16 data
-    at a scale of ``2**-30`` hold values near ``1e-9`` exactly, which a float16 array flushes
-    to zero, and at a scale of ``2**17`` values near ``1.6e5``, which a float16 array
-    turns into inf (``np.asarray(x)`` and ``x.to_array()`` do the same). To read or log
-    values, ask for float32: ``jsa.asarray(tree, jnp.float32)`` (``float(x)`` of a 0-d
-    ``ScaledArray`` is computed in float32).
+    Each value is given in :attr:`ScaledArray.value_dtype`, float32 for float16, bfloat16
+    and FP8 data at a float32 scale (float64 where data or scale are float64), as
+    ``np.asarray(x)``, ``x.to_array()`` and ``float(x)`` give it: float16 data at a scale of
+    ``2**-30`` hold values near ``1e-9`` and at a scale of ``2**17`` values near ``1.6e5``,
+    which a float16 array would flush to 0 or turn into inf. The dtype depends on the dtypes
+    only, so it is the same under ``jax.jit``.
 
     Args:
         tree: a pytree with ``ScaledArray`` or plain leaves.
-        dtype: if given, the dtype of the converted scaled leaves and of plain floating leaves.
+        dtype: if given, the dtype of the converted scaled leaves and of plain floating leaves
+            (plain leaves are otherwise returned as they are).
     """
 
     def convert(x):
@@ -687,5 +781,6 @@ def asarray(tree: Any, dtype: DTypeLike = None) -> Any:
 
 
 def unscaled(x: Any) -> Any:
-    """The plain value of one leaf: ``data * scale`` for a ``ScaledArray``, anything else as it is."""
-    return x.to_array() if isinstance(x, ScaledArray) else x
+    """The plain value of one leaf in its traced dtype: ``data * scale`` cast to the data dtype
+    for a ``ScaledArray`` (what an equation evaluated on plain values expects), anything else as it is."""
+    return x.to_array(x.dtype) if isinstance(x, ScaledArray) else x

@@ -41,6 +41,7 @@ from . import policy as rescale_policy
 from .array import (
     ScaledArray,
     check_scalify_inputs,
+    conform_traced_scales,
     evaluating_rules,
     is_floating_dtype,
     is_scaled_leaf,
@@ -113,6 +114,13 @@ def scalify(
     returned as they are. Flax NNX objects (modules, optimizers, ``nnx.Rngs``) may be
     passed: their in-place updates inside ``fun`` are carried back to the objects given.
 
+    Input scales must be scalars, 0 or positive powers of two (positive and finite under
+    ``Pow2RoundMode.NONE``). Concrete ones are checked (a ``ValueError`` naming the leaf);
+    traced ones (``jax.jit(jsa.scalify(f))``) cannot be, and an invalid one is made NaN, so
+    the results are NaN rather than silently wrong. ``fun`` is traced, as by ``jax.jit``,
+    also when called eagerly: Python code that needs an array argument's value raises
+    JAX's concretization error, with that explanation.
+
     Args:
         fun: the function to transform. Without it, ``scalify(policy=..., ...)`` returns a
             decorator.
@@ -162,6 +170,8 @@ def _scalified_call(trace_cache, policy: RescalePolicy, fun, args, kwargs):
         args, kwargs = jax.tree.unflatten(in_tree, [_release_static(x) for x in leaves])
         return fun(*args, **kwargs)
     check_scalify_inputs(leaves, (args, kwargs), nested=is_tracing_user_code())
+    if not is_tracing_user_code():
+        leaves = conform_traced_scales(leaves)
     dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
     closed_jaxpr, out_tree, static_outs = _cached_trace(trace_cache, fun, in_tree, leaves, dynamic)
     dynamic_leaves = [leaves[i] for i in dynamic]
@@ -309,9 +319,39 @@ def _trace_on_data(fun, in_tree, leaves, dynamic) -> tuple[ClosedJaxpr, Any, dic
         return [x for i, x in enumerate(out_flat) if i not in static_outs]
 
     examples = [leaves[i].data if isinstance(leaves[i], ScaledArray) else leaves[i] for i in dynamic]
-    closed_jaxpr = jax.make_jaxpr(flat_fun)(*examples)
+    try:
+        closed_jaxpr = jax.make_jaxpr(flat_fun)(*examples)
+    except _VALUE_DEPENDENT_ERRORS as err:
+        if getattr(err, "_scalify_explained", False):  # raised by a nested scalify: explained there
+            raise
+        raise _explained_value_dependence(err) from err
     _recover_exact_constants(closed_jaxpr, flat_fun, examples)
     return (closed_jaxpr, *out_box[0])
+
+
+# JAX's errors for Python code that needs the value of a traced array. Plain eager JAX runs
+# such code; scalify traces even when called eagerly, so it explains why.
+_VALUE_DEPENDENT_ERRORS = (
+    jax.errors.ConcretizationTypeError,  # TracerBoolConversionError among them
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.NonConcreteBooleanIndexError,
+)
+
+
+def _explained_value_dependence(err: Exception) -> Exception:
+    """``err`` (one of :data:`_VALUE_DEPENDENT_ERRORS`) again, of the same type, with the explanation first."""
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    explained = type(err).__new__(
+        type(err),
+        "jsa.scalify traces the function to a jaxpr, as jax.jit does, also when it is called eagerly: "
+        "Python code that needs the value of an array argument (`if x > 0`, float(x), int(x), "
+        "np.asarray(x), x[x > 0]) cannot run inside it. Use jnp.where, jax.lax.cond or "
+        "jax.lax.while_loop, make the argument static (jsa.scalify(f, static_argnums=...)), or "
+        f"compute it outside the scalified function. JAX's error: {first_line}",
+    )
+    explained._scalify_explained = True
+    return explained
 
 
 # Exact values of the constants that a trace on narrow-float data rounded (see core.constants),

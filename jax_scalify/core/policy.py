@@ -86,7 +86,8 @@ class RescalePolicy:
             handed to the next step), together. Outputs already rescaled are not rescaled
             twice: as gradients, by ``jsa.ops.dynamic_rescale`` with the policy's
             statistic (``jsa.optim.scale_state``'s stored state), or a float cast of
-            either. The data of a float16/FP8 output whose sample is mostly zeros (a
+            either; a scale set with ``jsa.lax.set_scaling`` stands (here, in loop
+            carries and among the gradients). The data of a float16/FP8 output whose sample is mostly zeros (a
             parameter that only lookups update) are moved down by the statistic, never up.
         contractions: rescale the result of every forward contraction (``dot_general``,
             ``conv_general_dilated``: ``x @ w``, ``jnp.einsum``, ``nn.Dense``, ``nn.Conv``)
@@ -221,16 +222,26 @@ def is_rescalable(x: Any) -> bool:
     )
 
 
-def mark_rescaled(x: Any) -> Any:
-    """Record ``x`` as having a scale chosen from its data in the current ``scalify`` evaluation.
+def mark_rescaled(x: Any, *, explicit: bool = False) -> Any:
+    """Record ``x`` as having a deliberately chosen scale in the current ``scalify`` evaluation.
 
-    The policy's rescales of gradients and outputs then leave it as it is (re-estimating it
-    would move nothing). For rules whose output scale is deliberately chosen: a rescale with
-    the policy's own statistic, a cast of such a value, a bound known from the op. Returns ``x``.
+    The policy's rescales (gradients, loop carries, outputs, residuals) then leave it as it
+    is. For rules whose output scale is chosen: a rescale with the policy's own statistic, a
+    cast of such a value, a bound known from the op (re-estimating it would move nothing),
+    and, with ``explicit=True``, a scale the user set (``jsa.lax.set_scaling``), which must
+    stand; an explicit ``jsa.ops.dynamic_rescale`` still rescales such a value. Returns ``x``.
     """
     if isinstance(x, ScaledArray):
-        _rescaled_by_policy()[id(x)] = x  # kept alive, so the id is not reused
+        _rescaled_by_policy()[id(x)] = (x, explicit)  # x kept alive, so the id is not reused
     return x
+
+
+def inherit_mark(out: Any, x: Any) -> Any:
+    """``out``, a new representation of ``x``'s value (a cast), marked as ``x`` is (see :func:`mark_rescaled`)."""
+    entry = _rescaled_by_policy().get(id(x))
+    if entry is not None and entry[0] is x:
+        mark_rescaled(out, explicit=entry[1])
+    return out
 
 
 def mark_sparse(x: Any) -> Any:
@@ -343,8 +354,15 @@ def rescale_all(values: Sequence[Any], policy: RescalePolicy | None = None, *, r
 
 
 def was_rescaled(x: Any) -> bool:
-    """True if ``x`` is the result of a policy rescale of the current ``scalify`` evaluation."""
-    return _rescaled_by_policy().get(id(x)) is x
+    """True if ``x``'s scale was chosen in the current ``scalify`` evaluation (:func:`mark_rescaled`)."""
+    entry = _rescaled_by_policy().get(id(x))
+    return entry is not None and entry[0] is x
+
+
+def rescaled_from_data(x: Any) -> bool:
+    """True if ``x``'s scale was chosen from its data (:func:`mark_rescaled` without ``explicit``)."""
+    entry = _rescaled_by_policy().get(id(x))
+    return entry is not None and entry[0] is x and not entry[1]
 
 
 def is_self_product(a: Any, b: Any) -> bool:
@@ -551,11 +569,13 @@ __all__ = [
     "rescale_loop_carries",
     "rescale_self_product",
     "rescale_self_product_operands",
+    "inherit_mark",
     "mark_rescaled",
     "mark_sparse",
     "recording_operand_rescales",
     "rescale_operand",
     "rescale_residual",
+    "rescaled_from_data",
     "rescales_in_backward_pass",
     "was_rescaled",
 ]

@@ -115,7 +115,11 @@ def _as_given(given_state: Any, new_state: Any) -> Any:
     new, treedef = jax.tree.flatten(new_state, is_leaf=is_scaled_leaf)
 
     def as_given(old, value):
-        return value.to_array() if isinstance(value, ScaledArray) and not isinstance(old, ScaledArray) else value
+        return (
+            value.to_array(value.dtype)
+            if isinstance(value, ScaledArray) and not isinstance(old, ScaledArray)
+            else value
+        )
 
     return jax.tree.unflatten(treedef, [as_given(old, value) for old, value in zip(given, new, strict=True)])
 

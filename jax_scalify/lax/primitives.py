@@ -18,6 +18,7 @@ from jax.interpreters import ad, batching, mlir
 
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import get_scalify_config
+from ..core.policy import mark_rescaled
 from ..core.registry import ScaledPrimitiveType, register_scaled_op
 from .base_scaling import as_scale, mul_data, unscaled
 
@@ -82,11 +83,14 @@ _define_identity_with_scale_operand(set_scaling_p)
 
 @register_scaled_op(set_scaling_p, scaled_type=ScaledPrimitiveType.ALWAYS_SCALE)
 def scaled_set_scaling(x: ScaledArray, scale: Array) -> ScaledArray:
-    """Scale set to the given one, data rebalanced (a zero scale gives zero data)."""
+    """Scale set to the given one, data rebalanced (a zero scale gives zero data).
+
+    The rescale policy leaves the result's scale as it is: a scale the user set stands.
+    """
     scale = as_scale(unscaled(scale))
     inv = jnp.where(scale == 0, jnp.zeros_like(scale), 1 / jnp.where(scale == 0, 1, scale))
     data = mul_data(x.data, as_scale(x.scale) * inv)
-    return ScaledArray(data, scale)
+    return mark_rescaled(ScaledArray(data, scale), explicit=True)
 
 
 # --- get_data_scale --------------------------------------------------------------------------

@@ -114,7 +114,7 @@ def _known_constant(arg) -> tuple | None:
             return None
         if np.ndim(arg.data) != 0:  # not multiplied out here: its data goes in, its scale is baked
             return None
-        arg = arg.to_array()
+        arg = arg.to_array(arg.dtype)
     exact = known_scalar(arg)
     if exact is None:
         return None

@@ -44,7 +44,7 @@ from jax.interpreters import ad, batching, mlir
 from ..core.array import ScaledArray, is_floating_dtype, is_scaled_leaf
 from ..core.config import Pow2RoundMode, ScalifyConfig, get_scalify_config
 from ..core.interpreter import scalify
-from ..core.policy import STATIC_POLICY, active_policy, is_rescalable, is_sparse, mark_rescaled, was_rescaled
+from ..core.policy import STATIC_POLICY, active_policy, is_rescalable, is_sparse, mark_rescaled, rescaled_from_data
 from ..core.pow2 import pow2_round, pow2_round_down, pow2_round_up
 from ..core.registry import ScaledPrimitiveType, register_scaled_op
 from ..lax.base_scaling import (
@@ -580,7 +580,7 @@ def scaled_dynamic_rescale(*xs: ScaledArray, norm: Norm, rounding_mode: Pow2Roun
     """
     policy = active_policy()
     same_as_policy = norm == policy.norm and rounding_mode == get_scalify_config().rounding_mode and min_scale is None
-    todo = [i for i, x in enumerate(xs) if is_rescalable(x) and not (same_as_policy and was_rescaled(x))]
+    todo = [i for i, x in enumerate(xs) if is_rescalable(x) and not (same_as_policy and rescaled_from_data(x))]
     outs = list(xs)
     rescaled = rescale_scaled_arrays(
         [xs[i] for i in todo], norm, None, rounding_mode=rounding_mode, min_scale=min_scale

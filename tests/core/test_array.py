@@ -23,7 +23,40 @@ def test_properties_and_value():
 def test_to_array_uses_scale_range():
     x = ScaledArray(jnp.ones(2, jnp.float16), jnp.float32(2.0**-30))
     np.testing.assert_array_equal(x.to_array(jnp.float32), [2.0**-30] * 2)
-    assert np.all(x.to_array() == 0)  # float16 cannot hold 2^-30
+    assert np.all(x.to_array(x.dtype) == 0)  # asked for float16, which cannot hold 2^-30
+
+
+_READOUT_CASES = [  # (data dtype, scale): values far outside the data dtype's range
+    (jnp.float16, 2.0**20),
+    (jnp.float16, 2.0**-40),
+    (jnp.bfloat16, 2.0**100),
+    (jnp.float8_e4m3fn, 2.0**20),
+    (jnp.float8_e5m2, 2.0**-30),
+]
+
+
+@pytest.mark.parametrize("dtype, scale", _READOUT_CASES)
+def test_readouts_are_float32_values(dtype, scale):
+    """np.asarray, to_array and jsa.asarray of narrow data give float32 (1e6 was inf, 1e-9 was 0 in float16)."""
+    data = jnp.array([1.0, -1.5, 0.5], dtype)
+    x = ScaledArray(data, jnp.float32(scale))
+    want = np.asarray(data, np.float32) * np.float32(scale)
+    assert x.value_dtype == np.float32
+    for got in (np.asarray(x), x.to_array(), jsa.asarray({"w": x})["w"], jsa.asarray([x])[0]):
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(got), want)
+    assert x.tolist() == want.tolist()
+    assert x.to_array(dtype).dtype == dtype  # an explicit dtype still gives that dtype
+    plain_jit = jax.jit(lambda t: t.to_array())(x)  # same dtype under a plain jax.jit: no value-dependent dtype
+    assert plain_jit.dtype == np.float32
+    np.testing.assert_array_equal(plain_jit, want)
+    np.testing.assert_array_equal(jax.jit(jsa.asarray)({"w": x})["w"], want)
+
+
+def test_readouts_of_float64_data_stay_float64():
+    x = ScaledArray(np.array([1.0, 2.0**-1070]), np.float32(2.0**60))
+    assert x.value_dtype == np.float64 and x.to_array().dtype == np.float64
+    np.testing.assert_array_equal(np.asarray(x), [2.0**60, 2.0**-1010])
 
 
 def test_astype_keeps_scale():
@@ -65,6 +98,31 @@ def test_outside_scalify_errors_are_clear():
         _ = x < 1
     with pytest.raises(TypeError, match=r"indexing \(x\[...\]"):
         _ = x[...]
+    with pytest.raises(TypeError, match="arithmetic outside jsa.scalify"):
+        abs(x)
+
+
+@pytest.mark.parametrize(
+    "use",
+    [lambda x: x.sum(), lambda x: x.mean(), lambda x: x.T, lambda x: x.reshape(2, 1), lambda x: x.at[0].set(1.0)],
+    ids=["sum", "mean", "T", "reshape", "at"],
+)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "plain_jit"])
+def test_jax_array_methods_outside_scalify_say_what_to_do(use, jit):
+    """x.sum(), x.T ... raised a bare AttributeError ('ScaledArray' object has no attribute 'sum')."""
+    x = jsa.scaled_array([1.0, 2.0], 2.0)
+    with pytest.raises(AttributeError, match=r"outside jsa.scalify\. Wrap the function .* x\.to_array\(\)"):
+        (jax.jit(use) if jit else use)(x)
+    np.testing.assert_allclose(np.asarray(jsa.scalify(use)(x)), np.asarray(use(x.to_array())))  # the right way
+    assert not hasattr(x, "sum") and not hasattr(x, "sharding")  # duck typing still sees no jax.Array
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        _ = x.nonexistent
+
+
+def test_len_is_the_first_axis():
+    assert len(jsa.scaled_array(np.ones((3, 2)), 2.0)) == 3 == len(jnp.ones((3, 2)))
+    with pytest.raises(TypeError, match="len"):
+        len(jsa.scaled_array(1.0, 2.0))
 
 
 def test_as_scaled_array_tree():
@@ -99,9 +157,9 @@ def test_as_scaled_array_with_scale_and_zero_scalar():
     x = jsa.as_scaled_array(np.array([2.0, 4.0], np.float32), scale=np.float32(2.0))
     np.testing.assert_array_equal(x.data, [1.0, 2.0])
     zero = jsa.as_scaled_array(np.float32(0.0))
-    assert float(zero.scale) == 1.0 and float(zero.data) == 0.0
+    assert float(zero.scale) == 0.0 and float(zero.data) == 0.0
     zeros = jsa.as_scaled_array(jnp.zeros((2, 3)))
-    assert float(zeros.scale) == 1.0 and not np.any(np.asarray(zeros.data))
+    assert float(zeros.scale) == 0.0 and not np.any(np.asarray(zeros.data))
     infinite = jsa.as_scaled_array(np.array([1.0, np.inf], np.float32))
     assert float(infinite.scale) == 1.0 and np.isinf(infinite.data[1])
 
@@ -213,7 +271,35 @@ def test_zero_scale_is_an_asserted_zero():
     with pytest.raises(ValueError, match="divide the values by zero"):
         jsa.as_scaled_array(jnp.array([1.0, 2.0]), scale=0.0)
     with pytest.raises(ValueError, match="not a power of two"):
-        jsa.as_scaled_array(jnp.array([1.0, 2.0]), scale=3.0)
+        ScaledArray(jnp.array([1.0, 2.0]), jnp.float32(3.0))  # a pair whose value a rounding would change
+
+
+@pytest.mark.parametrize("npapi", [np, jnp])
+def test_as_scaled_array_rounds_a_given_scale_up_to_a_power_of_two(npapi):
+    """0.1's recipes call as_scaled_array(params, scale=0.1): the value is kept, the scale becomes 0.125."""
+    values = npapi.asarray(np.array([1.0, -3.0, 0.3], np.float32))
+    tree = jsa.as_scaled_array({"w": values, "h": npapi.asarray(values, np.float16), "step": np.int32(3)}, scale=0.1)
+    for name, dtype, rtol in [("w", np.float32, 1e-7), ("h", np.float16, 1e-3)]:
+        x = tree[name]
+        assert float(x.scale) == 0.125 and x.scale.dtype == np.float32 and x.dtype == dtype
+        np.testing.assert_allclose(x.to_array(np.float32), values, rtol=rtol)
+        assert np.max(np.abs(np.asarray(x.data, np.float32))) <= 3.0 / 0.1  # rounded up: data not enlarged
+    assert tree["step"] == 3
+    x = jsa.as_scaled_array(values, scale=np.float32(0.25))  # a power of two is kept
+    assert float(x.scale) == 0.25
+    np.testing.assert_array_equal(x.data, np.asarray(values) * 4)
+
+
+def test_as_scaled_array_rounds_a_traced_scale():
+    values = jnp.array([1.0, -3.0, 0.3], jnp.float32)
+    x = jax.jit(lambda v, s: jsa.as_scaled_array(v, scale=s))(values, jnp.float32(0.3))
+    assert float(x.scale) == 0.5
+    np.testing.assert_allclose(x.to_array(), values, rtol=1e-7)
+    with jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.NONE):  # scales kept as given
+        assert float(jsa.as_scaled_array(values, scale=0.1).scale) == np.float32(0.1)
+    for bad, message in [(-1.0, "negative"), (np.inf, "not finite"), (0.0, "divide the values by zero")]:
+        with pytest.raises(ValueError, match=message):
+            jsa.as_scaled_array(values, scale=bad)
 
 
 @pytest.mark.parametrize("npapi", [np, jnp])
@@ -328,3 +414,38 @@ def test_scalify_returns_scaled_arrays_without_facts():
     carry, ys = fn(jsa.as_scaled_array(jnp.ones(2)))
     assert carry.facts == ScaleFacts() and ys.facts == ScaleFacts()
     np.testing.assert_allclose(np.asarray(ys.to_array()), np.full((3, 2), 2.0))
+
+
+def _mixed_outside_scalify(tree):
+    """optax.apply_updates outside scalify: data added to data, scale to scale (a scale of 1.00195)."""
+    update = jsa.ScaledArray.unchecked(jnp.array([1.0, 1.0]), jnp.float32(2.0**-9))
+    return jax.tree.map(lambda p, u: p + u, tree, {"w": update})
+
+
+def test_scale_broken_outside_scalify_is_refused_eagerly_and_nan_under_jit():
+    """Eager scalify rejected the scale; jax.jit(jsa.scalify(f)) accepted it and computed silently wrong values."""
+    params = jsa.as_scaled_array({"w": jnp.array([1.0, 2.0])})
+    bad = _mixed_outside_scalify(params)
+
+    def double(tree):
+        return jax.tree.map(lambda v: v * 2, tree)
+
+    with pytest.raises(ValueError, match=r"args\[0\]\['w'\]: scale 1.00195.* is not a power of two"):
+        jsa.scalify(double)(bad)
+    out = jax.jit(jsa.scalify(double))(bad)["w"]
+    assert np.isnan(float(out.scale)) and np.all(np.isnan(out.to_array()))
+    good = jax.jit(jsa.scalify(double))(params)["w"]  # valid traced scales are untouched
+    np.testing.assert_array_equal(good.to_array(), [2.0, 4.0])
+    zero = jax.jit(jsa.scalify(double))({"w": ScaledArray(jnp.array([1.0, 2.0]), jnp.float32(0.0))})["w"]
+    np.testing.assert_array_equal(zero.to_array(), [0.0, 0.0])  # scale 0 (an asserted zero) is valid
+
+
+@pytest.mark.parametrize("scale, valid", [(3.0, True), (-2.0, False), (np.inf, False)])
+def test_traced_scales_without_rounding_need_only_be_positive_and_finite(scale, valid):
+    with jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.NONE):
+        x = ScaledArray.unchecked(jnp.array([1.0, 2.0]), jnp.float32(scale))
+        out = jax.jit(jsa.scalify(lambda v: v * 2, policy=jsa.RescalePolicy.static()))(x)
+    if valid:
+        np.testing.assert_allclose(out.to_array(), [2 * scale, 4 * scale], rtol=1e-6)
+    else:
+        assert np.all(np.isnan(out.to_array()))

@@ -114,3 +114,47 @@ INVARIANCE_CASES = [
         [lambda rng: rng.standard_normal(5).astype(np.float32)],
     ),
 ]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_set_scaling_stands_against_the_output_policy(jit):
+    """An explicit scale set on a returned value stands under the default policy (it was rescaled to 1)."""
+
+    def f(v):
+        return set_scaling(v, 8.0), set_scaling(v * 3, 8.0).astype(jnp.float16)
+
+    step = jsa.scalify(f)
+    out, cast = (jax.jit(step) if jit else step)(jsa.as_scaled_array(jnp.asarray(X)))
+    assert float(out.scale) == 8.0 and float(cast.scale) == 8.0
+    np.testing.assert_array_equal(out.to_array(), X)
+    np.testing.assert_array_equal(cast.to_array(jnp.float32), 3 * X)
+
+
+def test_set_scaling_stands_in_loop_carries_and_gradients():
+    """The policy's loop-carry and gradient rescales leave a scale set with set_scaling as it is."""
+
+    def loop(v):
+        def body(c, _):
+            c = set_scaling(c * 1.5, 8.0)
+            return c, get_data_scale(c)[1]
+
+        return jax.lax.scan(body, v, None, length=3)
+
+    step = jax.jit(jsa.scalify(loop, policy=jsa.RescalePolicy(outputs=False)))
+    carry, scales = step(jsa.as_scaled_array(jnp.asarray(X)))
+    np.testing.assert_array_equal(np.asarray(scales), [8.0, 8.0, 8.0])
+    np.testing.assert_allclose(carry.to_array(), X * 1.5**3, rtol=1e-6)
+
+    def grad_set(v):
+        return set_scaling(jax.grad(lambda v: jnp.sum(v * v))(v), 8.0)
+
+    g = jax.jit(jsa.scalify(grad_set))(jsa.as_scaled_array(jnp.asarray(X)))
+    assert float(g.scale) == 8.0
+    np.testing.assert_array_equal(g.to_array(), 2 * X)
+
+
+def test_dynamic_rescale_after_set_scaling_still_rescales():
+    """An explicit dynamic_rescale of a value given its scale by set_scaling moves that scale."""
+    out = jax.jit(jsa.scalify(lambda v: jsa.ops.dynamic_rescale(set_scaling(v, 8.0))))(jnp.asarray(X))
+    assert float(out.scale) == 2.0  # RMS of X is 2.16
+    np.testing.assert_allclose(out.to_array(), X, rtol=1e-6)

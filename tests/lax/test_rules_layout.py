@@ -79,7 +79,7 @@ def test_float16_tiny_scale_survives(fn):
     assert out.dtype == jnp.float16 and float(out.scale) == 2.0**-40
     expected = fn(jnp.asarray(_value(x), jnp.float64) if jax.config.jax_enable_x64 else x.to_array(jnp.float32))
     np.testing.assert_array_equal(_value(out), np.asarray(expected, np.float64))
-    assert np.all(np.asarray(fn(x.to_array())) == 0)  # plain float16 underflows
+    assert np.all(np.asarray(fn(x.to_array(jnp.float16))) == 0)  # plain float16 underflows
 
 
 def test_concatenate_different_scales_aligns_to_largest():

@@ -237,7 +237,7 @@ def test_float16_triangular_solve_outside_float16_range():
     assert x.dtype == jnp.float16 and _scale(x) == 2.0**-60
     expected = fn(_value(a), _value(b))
     np.testing.assert_allclose(_value(x), expected, rtol=5e-3, atol=1e-3 * np.max(np.abs(expected)))
-    plain = fn(a.to_array(), b.to_array())  # a is inf and b is 0 in float16
+    plain = fn(a.to_array(jnp.float16), b.to_array(jnp.float16))  # a is inf and b is 0 in float16
     assert not np.allclose(np.asarray(plain, np.float64), expected, rtol=1e-2)
     # Unit diagonal (the L of an LU): b's scale is kept, a's value is used in float32.
     unit = _scaled(L, 0, jnp.float16)
