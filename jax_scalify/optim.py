@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .core.array import ScaledArray, asarray, is_concrete, is_floating_dtype, is_scaled_leaf
+from .core.array import ScaledArray, asarray, is_concrete, is_floating_dtype, is_scaled_leaf, unscaled
 from .core.custom_scale import custom_scale
 from .core.interpreter import is_tracing_user_code, scalify
 from .core.policy import mark_rescaled
@@ -626,7 +626,7 @@ def scale_state(
             _check_compensated(state, params)
         new_updates, new_state = update_stored(updates, state, params, extra_args)
         if outside and not any(isinstance(u, ScaledArray) for u in jax.tree.leaves(updates, is_leaf=is_scaled_leaf)):
-            new_updates = asarray(new_updates)
+            new_updates = jax.tree.map(unscaled, new_updates, is_leaf=is_scaled_leaf)  # plain in, plain out
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -257,7 +257,8 @@ def rescale(x: ScaledArray, new_scale: Array) -> ScaledArray:
     8-bit data of a scale known at trace time moved to a run-time scale (a constant aligned
     with traced data, see :func:`largest_scale`) saturate at the dtype's largest finite
     value where they do not fit: a mask at ``-1e30`` stays below every value it masks,
-    where plain float16 would hold ``-inf``.
+    where plain float16 would hold ``-inf``; and a nonzero constant does not round to 0 but
+    to the dtype's smallest subnormal of its sign (see :func:`_moved_constant`).
     """
     new_scale = as_scale(new_scale)
     if is_any_scale(x):
@@ -268,8 +269,32 @@ def rescale(x: ScaledArray, new_scale: Array) -> ScaledArray:
     if scale is new_scale or (is_numpy(scale) and is_numpy(new_scale) and np.array_equal(scale, new_scale)):
         return ScaledArray(x.data, new_scale)
     if is_numpy(scale) and not is_numpy(new_scale) and narrow_range(x.dtype):
-        return ScaledArray(saturated_cast(widen(x.data) * scale_quotient(scale, new_scale), x.dtype), new_scale)
+        quotient = scale_quotient(scale, new_scale)
+        if is_numpy(x.data):
+            return ScaledArray(_moved_constant(np.asarray(x.data), quotient), new_scale)
+        return ScaledArray(saturated_cast(widen(x.data) * quotient, x.dtype), new_scale)
     return ScaledArray(mul_data(x.data, scale_quotient(scale, new_scale)), new_scale)
+
+
+def _moved_constant(data: np.ndarray, quotient: Array) -> Array:
+    """16/8-bit constant data times a run-time ``quotient``: saturated, and never flushed to 0.
+
+    A nonzero constant whose data at the new scale fall below the dtype's smallest subnormal
+    becomes that subnormal (with its sign) rather than 0: ``sqrt(v) + 1e-8`` on float16 data
+    at scale 0.5 kept its ``eps`` and Adam's ``m / (sqrt(v) + eps)`` stayed 0 where ``m`` and
+    ``v`` are, instead of ``0 / 0``. The error is at most one subnormal step of the dtype at
+    the new scale, the resolution of every result at that scale. A broadcast scalar is
+    moved as a scalar, then broadcast.
+    """
+    shape, dtype = data.shape, data.dtype
+    if data.size and not any(data.strides):
+        data = data.reshape(-1)[:1].reshape(())
+    narrow = saturated_cast(data.astype(np.float32) * quotient, dtype)
+    nonzero = (data != 0) & np.isfinite(data)
+    if np.any(nonzero):
+        tiny = (np.sign(data) * np.float32(jnp.finfo(dtype).smallest_subnormal)).astype(dtype)
+        narrow = lax.select(nonzero & (narrow == 0), jnp.broadcast_to(tiny, narrow.shape), narrow)
+    return jnp.broadcast_to(narrow, shape)
 
 
 def saturated_cast(wide: Array, dtype: Any) -> Array:
@@ -286,12 +311,15 @@ def scale_quotient(scale: Array, common: Array) -> Array:
     ``scale * (2 / common) * 0.5``, exactly: the division ``2 / common`` is then the same for
     every operand moving to ``common``, and XLA compiles it once. (``2 / common`` is a normal
     float32 for every normal ``common``; ``1 / 2**127`` would be subnormal, which XLA:CPU
-    flushes to zero.)
+    flushes to zero.) A scale equal to ``common`` gives exactly 1, also when both are inf (an
+    unguarded product of scales that overflowed, see :func:`scaled_product`): the operand
+    already at the common scale keeps its data, where ``inf / inf`` would make them nan.
     """
     if (is_numpy(scale) and is_numpy(common)) or not scales_are_pow2():
         return scale / common
     two = np.asarray(2, common.dtype)
-    return scale * (two / common) * np.asarray(0.5, common.dtype)
+    quotient = scale * (two / common) * np.asarray(0.5, common.dtype)
+    return select(scale == common, np.ones(np.shape(quotient), common.dtype), quotient)
 
 
 def zero_to_one(scale: Array) -> Array:
@@ -301,6 +329,24 @@ def zero_to_one(scale: Array) -> Array:
     ``0 / 0``.
     """
     return select(scale == 0, np.ones(np.shape(scale), scale.dtype), scale)
+
+
+def value_order_data(x: ScaledArray) -> Array:
+    """The data of ``x`` as its value orders, signs and zeroes them: ``data * sign(scale)``.
+
+    For a rule that reads data for a result that is not scaled back by the scale (a
+    comparison, an index, a sign, a sort key). A positive scale keeps the data exactly; a zero
+    scale asserts that the value is zero whatever the (finite) data, and gives the zeros
+    ``to_array`` gives. Two scalar equations and one multiply, fused with the reader.
+    """
+    x = with_scalar_scale(x)
+    scale = x.scale
+    if is_any_scale(x) or (is_numpy(scale) and np.all(scale > 0)):
+        return x.data
+    sign = np.sign(scale) if is_numpy(scale) else lax.sign(scale)
+    if jnp.finfo(x.dtype).bits < 16:
+        return mul_data(x.data, sign)
+    return x.data * jnp.asarray(sign).astype(x.dtype)  # 0 and 1 are exact in every 16-bit dtype
 
 
 def _is_trace_time_constant(x: ScaledArray) -> bool:
@@ -316,7 +362,8 @@ def _fitting_scale(x: ScaledArray) -> np.ndarray:
     float32 max in ``nan_to_num``) then raises the common scale only as far as its data dtype
     needs: with float16 data ``-1e9`` fits at ``2**15``, where its own scale ``2**30`` would
     flush ``x``'s data to zero; float32 max fits at ``2**64`` rather than ``2**127``, which
-    would leave ``x``'s float32 data subnormal.
+    would leave ``x``'s float32 data subnormal. NaN and ±inf entries, the same at every scale,
+    need none.
     """
     own = as_scale(x.scale)
     info = jnp.finfo(x.dtype)
@@ -325,9 +372,11 @@ def _fitting_scale(x: ScaledArray) -> np.ndarray:
     if data.size and not any(data.strides):  # a broadcast scalar: one value to look at
         data = data.reshape(-1)[:1]
     with np.errstate(over="ignore", invalid="ignore"):
-        magnitude = np.max(np.abs(data.astype(np.float64)) * np.asarray(own, np.float64), initial=0.0)
-    if not np.isfinite(magnitude) or np.ndim(own) != 0:
+        magnitudes = np.abs(data.astype(np.float64)) * np.asarray(own, np.float64)
+    if np.ndim(own) != 0:
         return own
+    # NaN and ±inf entries are the same at every scale: they need none.
+    magnitude = np.max(magnitudes, where=np.isfinite(magnitudes), initial=0.0)
     need = pow2_round_up(np.asarray(headroom * magnitude / float(info.max), scale_dtype()))
     return as_scale(np.minimum(own, np.maximum(need, scale_bounds()[0])))
 
@@ -350,8 +399,9 @@ def largest_scale(operands: Sequence[ScaledArray]) -> Array:
     """The largest scale among the operands that have one (any-scale operands skipped).
 
     Operands sharing one scale object count once (no ``max(s, s)`` equation). If the largest of several scales is 0
-    (every operand asserted zero) the result is 1, so rescaling to it gives 0 rather than
-    ``0 / 0``. Next to other operands, a trace-time constant counts with the smallest
+    (every operand asserted zero), or of one scale beside an any-scale ±inf, the result is 1,
+    so rescaling to it gives 0 rather than ``0 / 0`` and the inf stays inf rather than
+    ``inf * 0``. Next to other operands, a trace-time constant counts with the smallest
     power-of-two scale at which it fits its data dtype (see :func:`_fitting_scale`). With
     16- or 8-bit data, a scale known at trace time (a constant's, or that of a value computed
     from constants only, such as ``where(mask, 0, -1e9)`` under a traced mask) raises the
@@ -377,9 +427,14 @@ def largest_scale(operands: Sequence[ScaledArray]) -> Array:
         out = scale_max(out, scale_min(_largest(known), reach))
     else:
         out = _largest(scales)
-    if len(scales) > 1:
+    if len(scales) > 1 or any(_may_be_infinite(x) for x in operands):
         out = zero_to_one(out)
     return out
+
+
+def _may_be_infinite(x: ScaledArray) -> bool:
+    """An any-scale operand that is (or, traced, may be) ±inf: a zero common scale would make it nan."""
+    return is_any_scale(x) and not (is_numpy(x.data) and not np.any(np.isinf(x.data)))
 
 
 def _largest(scales: Sequence[Array]) -> Array:
@@ -467,11 +522,11 @@ def exact_root(x: ScaledArray, n: int, data_fn: Callable[[Array], Array], invers
     npapi = numpy_api(scale)
     root = npapi.sqrt if n == 2 else npapi.cbrt
     if get_scalify_config().rounding_mode == Pow2RoundMode.NONE:
-        data, out_scale = data_fn(x.data), root(scale)
+        data, out_scale = data_fn(value_order_data(x)), root(scale)
     elif npapi is np:
         t = npapi.remainder(-pow2_exponent(scale), n)
         factor = _pow2_small(t, npapi)
-        data = _root_of_moved_data(x.data, 1 / factor, data_fn)
+        data = _root_of_moved_data(x.data, np.sign(scale) / factor, data_fn)
         out_scale = _snap_pow2(_root_of_product(scale, factor.astype(scale.dtype), n))
     else:
         data, out_scale = _traced_root(x, scale, n, data_fn)
@@ -522,6 +577,7 @@ def _traced_root(x: ScaledArray, scale: Array, n: int, data_fn: Callable[[Array]
     for k in range(n - 2, -1, -1):
         factor = select(t == k, as_scale(factors[k]), factor)
         inverse = select(t == k, as_scale(inverses[k]), inverse)
+    inverse = inverse * lax.sign(scale)  # an asserted zero (scale 0): data 0, whatever they were
     data = _root_of_moved_data(x.data, inverse, data_fn)
     out_scale = _root_of_product(scale, factor, n)
     if n != 2:  # cbrt is inexact; sqrt of a power of two with an even exponent is exact
@@ -539,7 +595,9 @@ def unit_scaled_sum(
 ) -> ScaledArray:
     """``reduce(*datas)`` summing ``num_terms`` terms: scale ``* r``, data ``/ r``.
 
-    ``1/r`` goes on the inputs for narrow-range dtypes (no overflow of the sum), on the output
+    ``reduce`` must accept the datas in any floating dtype: the backward sums below call it
+    on float32 copies of float16/FP8 data, so a reducer typed in the data dtype (an operand
+    it closes over, a reduction jaxpr) must follow the dtype it is given. ``1/r`` goes on the inputs for narrow-range dtypes (no overflow of the sum), on the output
     otherwise (cheaper, exact). In the backward pass, under a rescale policy whose
     ``gradients`` component is on, a sum of float16/FP8 data is accumulated in float32 and
     rescaled from its result before it is narrowed (:func:`_rescaled_backward_sum`), unless
@@ -731,6 +789,7 @@ __all__ = [
     "unit_scale",
     "unit_scaled_sum",
     "unscaled",
+    "value_order_data",
     "value_of",
     "widen",
     "with_scalar_scale",

@@ -32,13 +32,12 @@ from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.policy import (
     active_policy,
+    inherit_mark,
     is_self_product,
-    mark_rescaled,
     rescale_into_narrow,
     rescale_self_product,
     rescales_cast,
     rescales_in_backward_pass,
-    was_rescaled,
 )
 from ..core.pow2 import pow2_round_positive_or_one
 from ..core.registry import register_scaled_lax_op, register_scaled_op
@@ -62,6 +61,7 @@ from .base_scaling import (
     select,
     to_float32_value,
     value_of,
+    value_order_data,
     widen,
     zero_to_one,
 )
@@ -82,15 +82,21 @@ def _bind(prim: Primitive, *operands: Any, **params) -> Array:
 def _aligned_wide_data(operands: Sequence[ScaledArray]) -> list[Array]:
     """Data of the operands aligned to the largest scale, in float32 for narrow dtypes.
 
-    Nothing is rounded back to a narrow dtype, so comparisons stay exact.
+    Nothing is rounded back to a narrow dtype, so comparisons stay exact. An operand whose
+    scale is the common one is read as its value orders it (:func:`value_order_data`: an
+    asserted zero, scale 0, compares as 0 whatever its data).
     """
     scale = largest_scale(operands)
     out = []
     for x in operands:
-        data = widen(x.data)
         own = as_scale(x.scale)
         same = own is scale or (is_numpy(own) and is_numpy(scale) and np.array_equal(own, scale))
-        out.append(data if is_any_scale(x) or same else mul_data(data, own / scale))
+        if is_any_scale(x):
+            out.append(widen(x.data))
+        elif same:
+            out.append(widen(value_order_data(x)))
+        else:
+            out.append(mul_data(widen(x.data), own / scale))
     return out
 
 
@@ -202,7 +208,8 @@ def _bounded_scale(operands: Sequence[Any], bounds: Sequence[int]) -> Array:
     ``2**14`` above the data's scale each, the second bound flushed the data).
     """
     scaled = [x for x in operands if isinstance(x, ScaledArray)]
-    full = largest_scale(scaled)
+    binding = [x for x, bound in zip(operands, bounds) if isinstance(x, ScaledArray) and not _never_binds(x, bound)]
+    full = largest_scale(binding or scaled)
     outer = {i: _outer_magnitude(x, bound) for i, (x, bound) in enumerate(zip(operands, bounds)) if bound}
     outer = {i: m for i, m in outer.items() if m is not None}
     rest = [x for i, x in enumerate(operands) if isinstance(x, ScaledArray) and i not in outer]
@@ -212,7 +219,15 @@ def _bounded_scale(operands: Sequence[Any], bounds: Sequence[int]) -> Array:
     largest = float(jnp.finfo(rest[0].dtype).max)
     nearest = min(min(outer.values()), float(np.finfo(np.float32).max))
     beyond = jnp.asarray(rest_scale) * np.float32(largest) <= np.float32(nearest)
+    beyond = beyond & (jnp.asarray(rest_scale) > 0)  # asserted zeros (scale 0) cannot hold the bounds
     return as_scale(jnp.where(beyond, rest_scale, full))
+
+
+def _never_binds(x: Any, bound: int) -> bool:
+    """An any-scale ``-inf`` lower bound or ``+inf`` upper bound (``max(x, -inf)`` in softmax): it takes no part in the common scale."""
+    if not (bound and is_any_scale(x) and is_numpy(x.data)):
+        return False
+    return bool(np.all(x.data == (-np.inf if bound > 0 else np.inf)))
 
 
 def _outer_magnitude(x: Any, bound: int) -> float | None:
@@ -399,7 +414,7 @@ def scaled_select_n(which: Array, *cases: ScaledArray, **params) -> ScaledArray:
     max and 1 keep their ``2**64`` compromise), elsewhere it follows the selected values.
     """
     if isinstance(which, ScaledArray):  # a floating predicate is not valid LAX; keep the error there
-        which = which.to_array()
+        which = which.to_array(which.dtype)
     out = _scaled_aligned(P.select_n_p, [which, *cases], params)
     if constant_raises_scale(cases) and not active_policy().is_static:
         out = lowered_to_largest_entry(out)
@@ -472,7 +487,7 @@ def scaled_convert_element_type(x: ScaledArray, *, new_dtype: Any, **params) -> 
         if rescales_cast(x, new_dtype):
             return rescale_into_narrow(x, new_dtype)
         out = ScaledArray(_bind(P.convert_element_type_p, x, new_dtype=new_dtype, **params), as_scale(x.scale))
-        return mark_rescaled(out) if was_rescaled(x) else out  # the data's size is unchanged
+        return inherit_mark(out, x)  # the data's size is unchanged
     return P.convert_element_type_p.bind(to_float32_value(x), new_dtype=new_dtype, **params)
 
 

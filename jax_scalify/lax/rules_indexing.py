@@ -36,6 +36,7 @@ from .base_scaling import (
     mul_data,
     rescale,
     rescaled_and_narrowed,
+    value_order_data,
     widen,
     with_scalar_scale,
     zero_to_one,
@@ -173,9 +174,16 @@ def scaled_scatter_max(operand: ScaledArray, indices: Array, updates: ScaledArra
 
 @register_scaled_lax_op
 def scaled_sort(*operands: Any, **params) -> list[Any]:
-    """Scales unchanged (sorted on the data: with a positive scalar scale its order is the values')."""
+    """Scales unchanged (sorted on the data: with a positive scalar scale its order is the values').
+
+    Keys of scale 0 (asserted zero) are all equal, as their values are.
+    """
     operands = [with_scalar_scale(x) if isinstance(x, ScaledArray) else x for x in operands]
-    datas = [x.data if isinstance(x, ScaledArray) else x for x in operands]
+    keys = params["num_keys"]
+    datas = [
+        (value_order_data(x) if i < keys else x.data) if isinstance(x, ScaledArray) else x
+        for i, x in enumerate(operands)
+    ]
     outs = P.sort_p.bind(*datas, **params)
     return [ScaledArray(out, x.scale) if isinstance(x, ScaledArray) else out for out, x in zip(outs, operands)]
 
@@ -183,7 +191,7 @@ def scaled_sort(*operands: Any, **params) -> list[Any]:
 def _bind_values_indices(prim: Primitive, operand: ScaledArray, *others: Array, **params) -> list[Any]:
     """A (values, indices) selection bound on the data: values keep the scale, indices plain."""
     operand = with_scalar_scale(operand)
-    values, indices = prim.bind(operand.data, *others, **params)
+    values, indices = prim.bind(value_order_data(operand), *others, **params)
     return [ScaledArray(values, operand.scale), indices]
 
 

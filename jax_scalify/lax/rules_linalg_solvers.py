@@ -50,6 +50,7 @@ from .base_scaling import (
     exact_root,
     mul_data,
     to_float32_value,
+    value_order_data,
     widen,
     with_scalar_scale,
 )
@@ -146,7 +147,7 @@ def scaled_custom_linear_solve(*args: Any, const_lengths: Any, jaxprs: Any, **pa
 
 def _on_data(prim, a: ScaledArray, params: dict) -> list:
     """``prim`` on the data of ``a``, in float32 for narrow data (LAPACK has no float16 kernels); real floating outputs back in ``a``'s dtype."""
-    outs = _bind(prim, widen(a.data), **params)
+    outs = _bind(prim, widen(value_order_data(a)), **params)  # scale 0: the factorisation of zeros
     return [o.astype(a.dtype) if jnp.issubdtype(o.dtype, jnp.floating) else o for o in outs]
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend.core import Jaxpr, Primitive
 from jax.extend.core import primitives as P
 
@@ -43,6 +44,7 @@ from .base_scaling import (
     single_binary_reducer,
     to_float32_value,
     unit_scaled_sum,
+    value_order_data,
 )
 
 Array = Any
@@ -94,14 +96,14 @@ def scaled_reduce_min(x: ScaledArray, **params) -> ScaledArray:
 
 @register_scaled_lax_op
 def scaled_argmax(x: ScaledArray, **params) -> Array:
-    """Plain integer output, computed on the data (a positive scale keeps the order)."""
-    return P.argmax_p.bind(x.data, **params)
+    """Plain integer output, computed on the data (a positive scale keeps the order; scale 0: all equal)."""
+    return P.argmax_p.bind(value_order_data(x), **params)
 
 
 @register_scaled_lax_op
 def scaled_argmin(x: ScaledArray, **params) -> Array:
-    """Plain integer output, computed on the data (a positive scale keeps the order)."""
-    return P.argmin_p.bind(x.data, **params)
+    """Plain integer output, computed on the data (a positive scale keeps the order; scale 0: all equal)."""
+    return P.argmin_p.bind(value_order_data(x), **params)
 
 
 @register_scaled_lax_op
@@ -218,7 +220,11 @@ def scaled_reduce_window(
         return [ScaledArray(bind(operand.data, init.data)[0], scale)]
     if scaled and reducer is P.add_p:
         (operand, init), scale = align_to_largest(args)
-        out = unit_scaled_sum(scale, _window_size(window_dimensions), lambda *d: bind(*d)[0], operand.data, init.data)
+
+        def window_add(o, i):  # traced again for the dtype it is given (see unit_scaled_sum)
+            return lax.reduce_window(o, i, lax.add, window_dimensions, **params)
+
+        out = unit_scaled_sum(scale, _window_size(window_dimensions), window_add, operand.data, init.data)
         return [out]
     outs = bind(*[to_float32_value(a).astype(a.dtype) if isinstance(a, ScaledArray) else a for a in args])
     return [ScaledArray(o, as_scale(1.0)) if is_floating_dtype(o.dtype) else o for o in outs]
@@ -248,8 +254,9 @@ def scaled_select_and_scatter_add(
     operand_data = operand.data
 
     def scatter(src):
+        widened = operand_data.astype(src.dtype)  # the dtype of the sum (see unit_scaled_sum): the same order
         return P.select_and_scatter_add_p.bind(
-            src, operand_data, window_dimensions=window_dimensions, window_strides=window_strides, **params
+            src, widened, window_dimensions=window_dimensions, window_strides=window_strides, **params
         )
 
     return unit_scaled_sum(source.scale, _max_overlap(window_dimensions, window_strides), scatter, source.data)

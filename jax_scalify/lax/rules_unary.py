@@ -48,6 +48,7 @@ from .base_scaling import (
     select,
     unit_scale,
     value_of,
+    value_order_data,
     widen,
 )
 
@@ -88,12 +89,12 @@ def scaled_abs(x: ScaledArray, **params) -> ScaledArray:
 
 @register_scaled_lax_op
 def scaled_sign(x: ScaledArray, **params) -> Array:
-    """Plain output (same dtype): sign of the data, since the scale is positive.
+    """Plain output (same dtype): sign of the data, since the scale is positive (0 for an asserted zero).
 
     The result is -1, 0 or 1 with no magnitude to carry; a later op with scaled operands
     promotes it to scale 1.
     """
-    return P.sign_p.bind(x.data, **params)
+    return P.sign_p.bind(value_order_data(x), **params)
 
 
 @register_scaled_lax_op
@@ -176,7 +177,7 @@ def scaled_pow(a: ScaledArray, b: Any, **params) -> ScaledArray:
     if y.is_integer() and abs(y) <= 2**15:
         return scaled_integer_pow(a, y=int(y))
     factor, scale = _fractional_power_of_scale(as_scale(a.scale), y)
-    data = jax.lax.pow(widen(a.data), np.float32(y)) * factor
+    data = jax.lax.pow(widen(value_order_data(a)), np.float32(y)) * factor  # scale 0: 0 ** y
     return ScaledArray(data.astype(a.dtype), scale)
 
 
