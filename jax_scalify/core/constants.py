@@ -58,10 +58,8 @@ def is_narrow_float(dtype: Any) -> bool:
 
 
 def _is_float(dtype: Any) -> bool:
-    try:
-        return bool(jnp.issubdtype(dtype, jnp.floating))
-    except TypeError:  # extended dtypes (PRNG keys)
-        return False
+    """A floating dtype (``None``, a Python number's, counts as one); extended dtypes (PRNG keys) are not."""
+    return not jnp.issubdtype(dtype, jax.dtypes.extended) and bool(jnp.issubdtype(dtype, jnp.floating))
 
 
 @dataclasses.dataclass(eq=False)
@@ -105,7 +103,7 @@ class ExactConstants:
 
 def _as_scalar(value: Any) -> np.ndarray | None:
     """The value as a 0-d NumPy float array if it is a trace-time floating number, else None."""
-    if not hasattr(value, "dtype") or getattr(value, "size", None) != 1 or not _is_float(np.dtype(value.dtype)):
+    if not hasattr(value, "dtype") or getattr(value, "size", None) != 1 or not _is_float(value.dtype):
         return None
     try:
         return np.asarray(value).reshape(())

@@ -147,7 +147,7 @@ def _check_rule_output(name: str, out: Any, out_tree: Any, out_avals: Sequence[A
     for i, (x, aval) in enumerate(zip(flat, out_avals)):
         data = x.data if isinstance(x, ScaledArray) else x
         shape, dtype = np.shape(data), getattr(data, "dtype", None)
-        if tuple(shape) != tuple(aval.shape) or dtype is None or np.dtype(dtype) != np.dtype(aval.dtype):
+        if tuple(shape) != tuple(aval.shape) or dtype is None or dtype != aval.dtype:
             got = f"{dtype}{list(shape)}" if dtype is not None else type(data).__name__
             raise TypeError(
                 f"The scale rule of the custom_scale function '{name}' returned {got} for output {i}, "

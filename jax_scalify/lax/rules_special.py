@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
+from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.extend.core import primitives as P
 
@@ -159,7 +159,7 @@ def scaled_rng_uniform(a: Any, b: Any, **params) -> Array:
 @register_scaled_lax_op
 def scaled_bitcast_convert_type(x: ScaledArray, **params) -> Array:
     """Plain output: the bits of the value data * scale in the data dtype (not of the data)."""
-    return P.bitcast_convert_type_p.bind(x.to_array(), **params)
+    return P.bitcast_convert_type_p.bind(x.to_array(x.dtype), **params)
 
 
 # --- generic reduce --------------------------------------------------------------------------
@@ -185,8 +185,8 @@ def scaled_reduce(*args: Any, jaxpr: ClosedJaxpr, dimensions: Sequence[int], **p
     if reducer is P.add_p and len(args) == 2 and len(scaled) == 2:
         operand, init = args
         num_terms = num_elements(operand.shape, dimensions)
-        zero = np.zeros((), operand.dtype)  # add's identity: the init value is added once, after
-        total = unit_scaled_sum(operand.scale, num_terms, lambda *d: bind(*d)[0], operand.data, zero)
+        # Summed with add's identity (a reduce_sum for the dtype it is given), the init value added once, after.
+        total = unit_scaled_sum(operand.scale, num_terms, lambda d: lax.reduce_sum(d, dimensions), operand.data)
         return [scaled_add(total, init)]
     if scaled and _commutes_with_scale(jaxpr.jaxpr, jaxpr.consts):
         aligned, scale = align_to_largest(scaled)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jax_scalify as jsa
-from tests.invariance import assert_pow2_scales
+from tests.invariance import assert_pow2_scales, float64_reference
 from tests.properties.test_rule_coverage import _all_cases
 
 # Cases whose values are not compared at these scales, with the reason (their scales are
@@ -54,21 +54,6 @@ def _assert_finite_scales(tree) -> None:
             assert np.all(np.isfinite(np.asarray(leaf.scale))), f"scale {leaf.scale} is not finite"
 
 
-def _exact_values(fn, values):
-    """``fn`` on the values in float64: the reference that float32 cannot compute at these scales.
-
-    Functions that do not run in float64 (index dtypes fixed to int32, ...) fall back to the
-    plain float32 run.
-    """
-    try:
-        with jax.enable_x64(True):
-            wide = [jnp.asarray(np.asarray(v, np.float64)) if _is_float(v) else jnp.asarray(v) for v in values]
-            return jax.tree.map(np.asarray, fn(*wide))
-    except TypeError:
-        narrow = [jnp.asarray(np.asarray(v, np.float32)) if _is_float(v) else jnp.asarray(v) for v in values]
-        return fn(*narrow)
-
-
 def _compare_where_representable(got, expected, rtol: float, atol: float) -> None:
     got_leaves, exp_leaves = jax.tree.leaves(jsa.asarray(got)), jax.tree.leaves(expected)
     assert len(got_leaves) == len(exp_leaves)
@@ -104,4 +89,4 @@ def test_extreme_input_scales(case):
     assert_pow2_scales(got)
     _assert_finite_scales(got)
     if case.name not in VALUES_NOT_COMPARED:
-        _compare_where_representable(got, _exact_values(case.fn, values), case.rtol, case.atol)
+        _compare_where_representable(got, float64_reference(case.fn, values), case.rtol, case.atol)
