@@ -142,3 +142,72 @@ def test_scale_dtype_none_of_0_1_means_the_float32_default():
     with jsa.ScalifyConfig(scale_dtype=None):
         _, scale = jsa.scalify(jsa.lax.get_data_scale)(jnp.ones(2, jnp.float16))
     assert scale.dtype == np.float32
+
+
+# --- 0.1's MNIST examples, in 0.1's idiom (tests/programs/examples_0_1.py) --------------------
+EXAMPLE_STEPS = 40
+
+
+def _float32_losses(program, seed=0):
+    from tests.programs.harness import train
+
+    return train(program, "fp32", EXAMPLE_STEPS, seed)
+
+
+def _as_0_1_scaled_float16(tree, scale):
+    """0.1's conversion: ``as_scaled_array(tree, scale)``, then each leaf's ``astype(float16)``."""
+    tree = jsa.as_scaled_array(tree, scale=np.float32(scale))
+    return jax.tree_util.tree_map(lambda v: v.astype(np.float16), tree, is_leaf=jsa.core.is_scaled_leaf)
+
+
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fp16", "fp8"])
+def test_0_1_mnist_from_scratch_example_trains_as_its_authors_wrote_it(fp8):
+    """Parameters ``as_scaled_array(params, scale=0.1)`` (a scale that is no power of two, rounded to
+    one now), batches at scale 1, both cast to float16, ``jit(scalify(update))`` called under
+    ``ScalifyConfig(rounding_mode=DOWN, scale_dtype=float32)``: ends with float32 (FP8 casts too)."""
+    from tests.programs import examples_0_1 as ex
+    from tests.programs.harness import final_loss, relative_excess
+
+    params = _as_0_1_scaled_float16(ex.init_random_params(0), ex.PARAM_SCALE)
+    assert all(np.frexp(float(w.scale))[0] == 0.5 for w, _ in params)
+    update = jax.jit(jsa.scalify(ex.make_sgd_step(None, fp8)))
+    losses = []
+    for batch in ex.one_hot_batches(0, EXAMPLE_STEPS):
+        batch = _as_0_1_scaled_float16(batch, 1.0)
+        with jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.DOWN, scale_dtype=np.float32):
+            loss, params = update(params, *batch)
+        losses.append(float(loss))
+    assert params[0][0].dtype == np.float16
+    fp32 = final_loss(_float32_losses(ex.SGD_PROGRAM))
+    assert relative_excess(final_loss(losses), fp32) <= 0.05, (final_loss(losses), fp32)
+
+
+def test_0_1_flax_example_with_its_whole_adam_state_cast_to_float16():
+    """0.1's Flax example stored Adam's state as ``jsa.tree.astype(jsa.as_scaled_array(opt.init(params)),
+    float16)``: it trains with float32, or says to use ``jsa.optim.scale_state`` instead; it must not
+    turn NaN in silence."""
+    import warnings
+
+    from tests.programs import examples_0_1 as ex
+    from tests.programs.harness import final_loss, relative_excess
+
+    tx = ex.make_adam()
+    params, _ = ex.init_linen(0, tx)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt_state = jsa.tree.astype(jsa.as_scaled_array(tx.init(params)), jnp.float16)
+        model_state = jsa.tree.astype(jsa.as_scaled_array(params, scale=np.float32(1.0)), jnp.float16)
+        update = jax.jit(jsa.scalify(ex.make_linen_step(tx)))
+        losses = []
+        for batch in ex.one_hot_batches(0, EXAMPLE_STEPS):
+            batch = jsa.as_scaled_array(jsa.tree.astype(batch, np.float16), scale=np.float32(1))
+            with jsa.ScalifyConfig(rounding_mode=jsa.Pow2RoundMode.DOWN, scale_dtype=np.float32):
+                loss, model_state, opt_state = update(model_state, opt_state, *batch)
+            losses.append(float(loss))
+    if any("scale_state" in str(w.message) for w in caught):
+        return  # told what to do
+    fp32 = final_loss(_float32_losses(ex.ADAM_PROGRAM))
+    assert relative_excess(final_loss(losses), fp32) <= 0.05, (
+        f"Adam with its state cast to float16 ends at {final_loss(losses)} (float32: {fp32}), and no warning "
+        "named jsa.optim.scale_state"
+    )

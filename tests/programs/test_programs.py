@@ -1,4 +1,4 @@
-"""The real-program suite: six training programs, as their libraries' users write them, under scalify.
+"""The real-program suite: eleven training programs, as their libraries' users write them, under scalify.
 
 For each program (see the modules of this package):
 
@@ -13,9 +13,10 @@ For each program (see the modules of this package):
 - FP8 (programs with dense layers): the FP8 recipe of ``jsa.nn.linear`` (E4M3 forward, E5M2
   gradients) in every dense layer, on scaled float16 state, ends at most 10% above float32.
 
-The invariance checks of five programs and the short FP16 run of the NNX CNN (``DEFAULT_FP16``) are
-part of the default test run; the GPT's invariance, the other short FP16 runs, the FP8 runs
-and the long FP16 runs are marked ``slow`` (run them with ``-m slow``), as are the checks of
+The invariance checks of seven programs and the short FP16 run of the NNX CNN (``DEFAULT_FP16``)
+are part of the default test run; the invariance of the four programs of ``SLOW_INVARIANCE``,
+the other short FP16 runs, the FP8 runs and the long FP16 runs are marked ``slow`` (run them
+with ``-m slow``), as are the checks of
 ``MORE_PROGRAMS`` (a Linen ResNet with BatchNorm statistics, a Linen LSTM, NNX LoRA, an
 Equinox parallel-scan recurrence, an Equinox selective state-space LM, an NNX transformer
 whose layers are stacked by ``nnx.vmap`` and run by ``nnx.scan``; an Equinox
@@ -37,9 +38,11 @@ import jax_scalify as jsa
 
 from . import (
     autoencoder_eqx,
+    cnn_eqx,
     cnn_nnx,
     conv_eqx,
     diffusion_linen,
+    examples_0_1,
     flow_linen,
     gpt_linen,
     gru_eqx,
@@ -50,11 +53,23 @@ from . import (
     mlp_jax,
     recipe,
     resnet_linen,
+    seq2seq_linen,
+    transformer_jax,
     transformer_nnx,
 )
 from .harness import Program, _as_jax, _leaf_errors, final_loss, invariance_errors, relative_excess, train
 
-PROGRAMS = [m.PROGRAM for m in (gpt_linen, cnn_nnx, gru_eqx, conv_eqx, diffusion_linen, mlp_jax)]
+PROGRAMS = [m.PROGRAM for m in (gpt_linen, cnn_nnx, gru_eqx, conv_eqx, diffusion_linen, mlp_jax)] + [
+    # From the reports of issue 39: a Haiku-style transformer in plain JAX (LayerNorm through
+    # jnp.var, clipped Adam), an Equinox CNN with a stride-1 MaxPool2d, a Linen LSTM
+    # encoder-decoder whose step closes over a typed PRNG key, and jax-scalify 0.1's MNIST
+    # examples (an MLP from scratch with SGD and its FP8 casts, a Linen MLP with Adam).
+    transformer_jax.PROGRAM,
+    cnn_eqx.PROGRAM,
+    seq2seq_linen.PROGRAM,
+    examples_0_1.SGD_PROGRAM,
+    examples_0_1.ADAM_PROGRAM,
+]
 # More idioms (invariance and short FP16 training): Linen BatchNorm with a mutable
 # batch_stats collection, Linen's nn.RNN over an LSTM cell, NNX LoRA, an Equinox linear
 # recurrence computed by jax.lax.associative_scan, a Mamba-style selective scan, an NNX
@@ -80,11 +95,15 @@ def losses(program: Program, mode: str, steps: int) -> np.ndarray:
     return train(program, mode, steps)
 
 
+# The GPT's invariance compiles the largest steps (tests/properties/test_transformer.py checks
+# a GPT Adam step's invariance in the default run); the transformer's, the encoder-decoder's
+# and the Linen MLP's take 10-25 s each.
+SLOW_INVARIANCE = ("gpt_linen", "transformer_jax", "seq2seq_linen", "mlp_adam_linen_0_1")
+
+
 @pytest.mark.parametrize(
     "program",
-    # The GPT's invariance compiles the largest steps; tests/properties/test_transformer.py
-    # checks a GPT Adam step's invariance in the default run.
-    [pytest.param(p, marks=pytest.mark.slow) if p.name == "gpt_linen" else p for p in PROGRAMS],
+    [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_INVARIANCE else p for p in PROGRAMS],
     ids=lambda p: p.name,
 )
 def test_float32_invariance(program: Program, record_property):
