@@ -1,13 +1,17 @@
-"""Timing helpers for the benchmarks: interleaved A/B runs, medians, compile times."""
+"""Timing helpers for the benchmarks: interleaved A/B runs, medians, compile times; program counts."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import re
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.extend.core import jaxprs_in_params
 
 
 def block(tree: Any) -> Any:
@@ -59,3 +63,64 @@ def interleaved_compile_medians(fns: dict[str, Callable[[], Any]], rounds: int) 
         else:
             out[name] = statistics.median(values)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """A program traced, lowered and compiled once, and the seconds each stage took.
+
+    Attributes:
+      traced: ``jax.jit(fn).trace(*args)``.
+      compiled: its compiled executable (callable on arguments like ``args``).
+      cpu: ``{"trace", "lower", "compile"}`` -> CPU seconds (all threads of this process).
+      wall: the same stages in wall-clock seconds.
+    """
+
+    traced: Any
+    compiled: Any
+    cpu: dict[str, float]
+    wall: dict[str, float]
+
+
+def stage_times(fn: Callable, *args, lowering_platforms: tuple[str, ...] | None = None) -> Stages:
+    """Trace, lower and compile ``jax.jit(fn)`` for ``args`` (arrays or ``ShapeDtypeStruct``s), cold caches.
+
+    ``lowering_platforms`` lowers for other platforms than the default device's (e.g.
+    ``("cuda",)`` with ``args`` placed on a compile-only device, see :mod:`benchmarks.h100`).
+    """
+    jax.clear_caches()
+    clocks = [(time.perf_counter(), time.process_time())]
+    traced = jax.jit(fn).trace(*args)
+    clocks.append((time.perf_counter(), time.process_time()))
+    lowered = traced.lower() if lowering_platforms is None else traced.lower(lowering_platforms=lowering_platforms)
+    clocks.append((time.perf_counter(), time.process_time()))
+    compiled = lowered.compile()
+    clocks.append((time.perf_counter(), time.process_time()))
+    names = ("trace", "lower", "compile")
+    wall = {n: clocks[i + 1][0] - clocks[i][0] for i, n in enumerate(names)}
+    cpu = {n: clocks[i + 1][1] - clocks[i][1] for i, n in enumerate(names)}
+    return Stages(traced, compiled, cpu, wall)
+
+
+def primitive_counts(jaxpr: Any) -> collections.Counter:
+    """Primitive name -> number of equations, over ``jaxpr`` and every jaxpr nested in its equations' params.
+
+    An equation that holds a sub-jaxpr (``pjit``, ``cond``, ``custom_vjp_call`` ...) counts
+    itself and the equations of each sub-jaxpr, once per equation that holds it.
+    """
+    counts: collections.Counter = collections.Counter()
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        counts[eqn.primitive.name] += 1
+        for sub in jaxprs_in_params(eqn.params):
+            counts.update(primitive_counts(sub))
+    return counts
+
+
+def hlo_opcode_count(hlo: str, opcode: str) -> int:
+    """Instructions with ``opcode`` (e.g. ``"fusion"``, ``"reduce"``) in the text of an HLO module, every computation."""
+    return len(re.findall(r"\s" + re.escape(opcode) + r"\(", hlo))
+
+
+def abstract(tree: Any, sharding: Any = None) -> Any:
+    """``ShapeDtypeStruct`` of each leaf of ``tree`` (arrays or abstract values), placed on ``sharding``."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)

@@ -41,13 +41,9 @@ import jax_scalify as jsa  # noqa: E402
 from jax_scalify.analysis import entry_kernels, fp8_upcasts, gemm_calls  # noqa: E402
 
 from . import overhead  # noqa: E402
+from .common import abstract  # noqa: E402
 from .fp8_matmul import DOT_DIMS, E4M3, GPT, gpt_inputs, make_gpt_step  # noqa: E402
 from .h100 import H100_TARGET, h100_sharding  # noqa: E402
-
-
-def abstract(tree, sharding):
-    """ShapeDtypeStructs of ``tree``'s leaves (arrays or abstract values), placed on ``sharding``."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
 def programs(sharding, size: int) -> dict:

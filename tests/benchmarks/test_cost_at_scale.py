@@ -1,0 +1,54 @@
+"""Smoke test of ``benchmarks/cost_at_scale.py``: every column and exact counts, on the tiny GPT with no block.
+
+With no transformer block the model is the tied embedding, the final LayerNorm and the
+logits, and the step AdamW's: the script's code paths at a few seconds of compilation.
+"""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import cost_at_scale
+
+TINY = ["--tiny", "--layers", "0"]
+
+
+def _header_and_rows(out: str) -> tuple[list[str], list[list[str]]]:
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    split = lambda line: [cell.strip() for cell in line.strip("|").split("|")]  # noqa: E731
+    return split(lines[0]), [split(line) for line in lines[1:]]
+
+
+def test_table_and_json(tmp_path, capsys):
+    path = tmp_path / "cost.json"
+    argv = TINY + ["--variants", "plain_fp32", "scalify_fp16", "--rounds", "1", "--json", str(path)]
+    rows = cost_at_scale.main(argv)
+    header, cells = _header_and_rows(capsys.readouterr().out)
+    expected = [name for name, key, _ in cost_at_scale.COLUMNS if not key.startswith("h100")]
+    assert header == expected
+    assert [r[1] for r in cells] == ["plain_fp32", "scalify_fp16"]
+    assert json.loads(path.read_text())["rows"] == rows
+    plain, scaled = rows
+    for row in rows:
+        for key in ("eqns", "gemms", "reductions", "fusions", "hlo_reduce"):
+            assert isinstance(row[key], int) and row[key] > 0, (row["variant"], key, row[key])
+        assert row["step_ms"] > 0 and row["compile_total_cpu_s"] > 0
+    # The tied-embedding logits and their two gradients; scalify changes the data, not the contractions.
+    assert plain["gemms"] == scaled["gemms"] == 3
+    assert plain["statistics"] is None
+    # The baseline of the FP16 recipe is plain FP16, traced (not run) because it was not selected.
+    assert isinstance(scaled["statistics"], int) and scaled["statistics"] > 0
+    assert scaled["baseline"] == "plain_fp16" and scaled["step_ratio"] is None
+    assert plain["compile_ratio"] == 1.0 and plain["step_ratio"] == 1.0
+
+
+def test_deviceless_columns_or_reason(capsys):
+    rows = cost_at_scale.main(TINY + ["--variants", "plain_fp32", "--no-runtime", "--deviceless"])
+    out = capsys.readouterr().out
+    header, _ = _header_and_rows(out)
+    assert "ms/step" not in header
+    if "deviceless H100 compilation unavailable" in out:  # JAX's CUDA plugin is not installed
+        assert "H100 kernels" not in header and "h100_kernels" not in rows[0]
+    else:
+        assert {"H100 kernels", "H100 GEMMs", "H100 FP8 GEMMs", "H100 compile s"} <= set(header)
+        assert rows[0]["h100_kernels"] > 0 and rows[0]["h100_gemms"] == 3
