@@ -178,7 +178,7 @@ def test_gpt_float16_training_reduces_the_loss():
         loss32, params32, state32 = plain_step(params32, state32, tokens, targets)
         if step == 0:
             assert loss.dtype == jnp.float16
-            assert all(x.dtype == jnp.float16 for x in jax.tree.leaves(jsa.asarray(params)))
+            assert all(x.dtype == jnp.float16 for x in jax.tree.leaves(params, is_leaf=jsa.is_scaled_leaf))
             assert_pow2_scales((loss, params, state))
             np.testing.assert_allclose(float(loss.to_array(jnp.float32)), float(loss32), rtol=1e-2)
         losses.append(float(loss.to_array(jnp.float32)))
