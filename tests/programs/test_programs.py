@@ -60,7 +60,7 @@ from . import (
 from .harness import Program, _as_jax, _leaf_errors, final_loss, invariance_errors, relative_excess, train
 
 PROGRAMS = [m.PROGRAM for m in (gpt_linen, cnn_nnx, gru_eqx, conv_eqx, diffusion_linen, mlp_jax)] + [
-    # From the reports of issue 39: a Haiku-style transformer in plain JAX (LayerNorm through
+    # A Haiku-style transformer in plain JAX (LayerNorm through
     # jnp.var, clipped Adam), an Equinox CNN with a stride-1 MaxPool2d, a Linen LSTM
     # encoder-decoder whose step closes over a typed PRNG key, and jax-scalify 0.1's MNIST
     # examples (an MLP from scratch with SGD and its FP8 casts, a Linen MLP with Adam).
