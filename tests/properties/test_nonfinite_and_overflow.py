@@ -120,7 +120,8 @@ def _assert_plain_or_exact(got, plain, exact, rtol: float, atol: float) -> None:
         )
 
 
-@pytest.mark.parametrize("kind", ["nonfinite", "overflow"])
+# The overflow form runs in the slow run (-m slow), for the default run's time.
+@pytest.mark.parametrize("kind", ["nonfinite", pytest.param("overflow", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_nonfinite_and_overflowing_inputs(case, kind):
     if case.name in NOT_RUN[kind]:
