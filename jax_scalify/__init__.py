@@ -1,9 +1,8 @@
 """jax_scalify: end-to-end scale propagation for FP16 and FP8 training in JAX."""
 
-from . import analysis, core, extend, lax, nn, ops, optim, quantization, tree
+from . import analysis, core, extend, interop, lax, nn, ops, optim, policy, quantization, tree
 from .core import (
     Pow2RoundMode,
-    RescalePolicy,
     ScaledArray,
     ScalifyConfig,
     as_scaled_array,
@@ -14,6 +13,7 @@ from .core import (
     scalify,
 )
 from .ops import debug_callback
+from .policy import RescalePolicy
 from .tree import device_put, scaled_shardings
 from .tree.serialization import install_flax_hook as _install_flax_hook
 

@@ -15,7 +15,7 @@ and ``analysis`` namespaces hold the user API. A rule author finds here, in one 
 - sub-jaxprs (from :mod:`jax_scalify.lax.subjaxpr`): :func:`eval_sub_jaxpr` on an open
   jaxpr and :func:`fixed_point` / :func:`check_structure` for bodies whose scaled outputs
   must be fixed before they are traced (loop carries, branches, ``shard_map``);
-- the scale arithmetic the built-in rules share (from :mod:`jax_scalify.lax.base_scaling`):
+- the scale arithmetic the built-in rules share (from :mod:`jax_scalify.core.scaling`):
   exact power-of-two rescaling (:func:`rescale`, :func:`mul_data`), common scales
   (:func:`largest_scale`, :func:`align_to_largest`), scale products kept within range
   (:func:`scaled_product`, :func:`scaled_power`), values in float32 (:func:`value_of`,
@@ -32,6 +32,7 @@ Example, a rule for a primitive that keeps its operand's scale::
         return jsx.bind_keep_scale(my_p, x, **params)
 """
 
+from .core import scaling
 from .core.array import ScaledArray, ScaleFacts, is_floating_dtype
 from .core.constants import known_scalar
 from .core.custom_scale import custom_scale_call_p
@@ -50,8 +51,8 @@ from .core.registry import (
     registered_rule,
     registered_rules,
 )
-from .lax import base_scaling, subjaxpr
-from .lax.base_scaling import *  # noqa: F401,F403  (its __all__: the shared scale arithmetic)
+from .core.scaling import *  # noqa: F401,F403  (its __all__: the shared scale arithmetic)
+from .lax import subjaxpr
 from .lax.subjaxpr import *  # noqa: F401,F403  (its __all__: sub-jaxprs and their scaled outputs)
 
 __all__ = (
@@ -77,6 +78,6 @@ __all__ = (
         "registered_rules",
         "scales_are_pow2",
     ]
-    + base_scaling.__all__
+    + scaling.__all__
     + subjaxpr.__all__
 )

@@ -43,9 +43,10 @@ import optax
 from .core.array import ScaledArray, asarray, is_concrete, is_floating_dtype, is_scaled_leaf, unscaled
 from .core.custom_scale import custom_scale
 from .core.interpreter import is_tracing_user_code, scalify
-from .core.policy import mark_rescaled
+from .core.measure import Norm
+from .core.sites import mark_rescaled
 from .lax.primitives import set_scaling, stop_scaling
-from .ops.rescaling import Norm, dynamic_rescale
+from .ops.rescaling import dynamic_rescale
 
 PyTree = Any
 DTypeLike = Any

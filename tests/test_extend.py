@@ -7,7 +7,8 @@ from jax.extend.core import Primitive
 
 import jax_scalify as jsa
 from jax_scalify import extend as jsx
-from jax_scalify.lax import base_scaling, subjaxpr
+from jax_scalify.core import scaling as base_scaling
+from jax_scalify.lax import subjaxpr
 
 ENGINE_NAMES = (
     "RegisteredRule",

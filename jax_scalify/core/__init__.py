@@ -25,7 +25,6 @@ from .compat import (
 from .config import Pow2RoundMode, ScalifyConfig, get_scalify_config
 from .custom_scale import custom_scale
 from .interpreter import scalify
-from .policy import RescalePolicy
 from .pow2 import get_mantissa, pow2_decompose, pow2_exponent, pow2_round, pow2_round_down, pow2_round_up
 from .registry import ScaledPrimitiveType, find_registered_scaled_op, register_scaled_lax_op, register_scaled_op
 
@@ -42,7 +41,6 @@ def __getattr__(name: str):
 
 _USER_API = [
     "Pow2RoundMode",
-    "RescalePolicy",
     "ScaledArray",
     "ScalifyConfig",
     "as_scaled_array",

@@ -77,21 +77,33 @@ def is_evaluating_rules() -> bool:
 class ScaleFacts(NamedTuple):
     """What is known about a ``ScaledArray`` beyond its data and scale: the static part of its pytree.
 
-    Being pytree aux data, these facts cross ``jax.jit``, ``scan``, ``cond``, ``while_loop``
-    and ``shard_map`` boundaries with the value, and JAX's own treedef comparison tells two
-    values with different facts apart. That the scale is a power of two is not among them:
-    it is a contract for every scale (see :func:`jax_scalify.core.pow2.scales_are_pow2`).
+    Being pytree aux data, these facts cross ``jax.jit``, ``cond``, ``custom_vjp`` and
+    ``shard_map`` boundaries with the value, and JAX's own treedef comparison tells two
+    values with different facts apart (loop rules rebuild their carries from data and
+    scale: a fact holds for one iteration's value, not for the loop's). That the scale is a
+    power of two is not among them: it is a contract for every scale (see
+    :func:`jax_scalify.core.pow2.scales_are_pow2`).
 
     - ``any_scale``: the value is a constant 0 or ±inf, the same at every scale, so rules
       that align scales let it adopt the others' scale (``max(x, 0)`` keeps ``x``'s scale);
     - ``stacked``: the value is a stack (axis 0) of slices that were produced with one
       scale each (the outputs of a ``scan``); ``slices`` holds ``(slice_data, slice_scales)``
       besides the rebalanced ``(data, scale)``, so that a later scan over it can give every
-      iteration its slice at its own scale.
+      iteration its slice at its own scale;
+    - ``rescaled``: the scale was just chosen from the data with the policy's statistic (or
+      from a bound of the op): a policy site leaves it as it is, re-estimating moves nothing;
+    - ``pinned``: the user set the scale (``jsa.lax.set_scaling``): no policy site moves it
+      (an explicit ``jsa.ops.dynamic_rescale`` still does);
+    - ``sparse``: the data may sit in a few entries (a scatter into zeros, the gradient of a
+      lookup): a sample can miss them, so a policy rescale of narrow data bounds the largest
+      entry too.
     """
 
     any_scale: bool = False
     stacked: bool = False
+    rescaled: bool = False
+    pinned: bool = False
+    sparse: bool = False
 
 
 _PLAIN_FACTS = ScaleFacts()
@@ -207,7 +219,7 @@ class ScaledArray:
     converts with ``float()``, ``int()`` and ``bool()``.
     """
 
-    __slots__ = ("data", "scale", "any_scale", "slices")
+    __slots__ = ("data", "scale", "any_scale", "slices", "rescaled", "pinned", "sparse")
     __array_priority__ = 100  # make `np.ndarray + ScaledArray` defer to our error message
 
     def __init__(
@@ -241,10 +253,19 @@ class ScaledArray:
         self.scale = scale
         self.any_scale = bool(any_scale)
         self.slices = None if slices is None else tuple(slices)
+        self.rescaled = self.pinned = self.sparse = False
 
     @classmethod
     def unchecked(
-        cls, data: Array, scale: Array, *, any_scale: bool = False, slices: tuple[Array, Array] | None = None
+        cls,
+        data: Array,
+        scale: Array,
+        *,
+        any_scale: bool = False,
+        slices: tuple[Array, Array] | None = None,
+        rescaled: bool = False,
+        pinned: bool = False,
+        sparse: bool = False,
     ) -> ScaledArray:
         """``ScaledArray(data, scale)`` without any check, for code that computed the scale itself.
 
@@ -254,18 +275,31 @@ class ScaledArray:
         obj = object.__new__(cls)
         obj.data, obj.scale = data, scale
         obj.any_scale, obj.slices = any_scale, slices
+        obj.rescaled, obj.pinned, obj.sparse = rescaled, pinned, sparse
         return obj
 
     @property
     def facts(self) -> ScaleFacts:
         """What is known about this value besides data and scale (see :class:`ScaleFacts`)."""
-        return ScaleFacts(self.any_scale, self.slices is not None)
+        return ScaleFacts(self.any_scale, self.slices is not None, self.rescaled, self.pinned, self.sparse)
 
     def plain(self) -> ScaledArray:
         """The same data and scale without any :class:`ScaleFacts` (what a rule's output starts from)."""
-        if not self.any_scale and self.slices is None:
+        if self.facts == _PLAIN_FACTS:
             return self
         return ScaledArray.unchecked(self.data, self.scale)
+
+    def marked(self, *, rescaled: bool = False, pinned: bool = False, sparse: bool = False) -> ScaledArray:
+        """The same value with the given marks of :class:`ScaleFacts` added (a new object)."""
+        return ScaledArray.unchecked(
+            self.data,
+            self.scale,
+            any_scale=self.any_scale,
+            slices=self.slices,
+            rescaled=self.rescaled or rescaled,
+            pinned=self.pinned or pinned,
+            sparse=self.sparse or sparse,
+        )
 
     # Pytree protocol. Unflattening bypasses the checks: JAX rebuilds pytrees with
     # placeholders (None, object(), tracers of other shapes) that are not arrays. The facts
@@ -285,7 +319,15 @@ class ScaledArray:
     def tree_unflatten(cls, aux_data, children):
         facts = aux_data or _PLAIN_FACTS
         data, scale, *slices = children
-        return cls.unchecked(data, scale, any_scale=facts.any_scale, slices=tuple(slices) if facts.stacked else None)
+        return cls.unchecked(
+            data,
+            scale,
+            any_scale=facts.any_scale,
+            slices=tuple(slices) if facts.stacked else None,
+            rescaled=facts.rescaled,
+            pinned=facts.pinned,
+            sparse=facts.sparse,
+        )
 
     @property
     def dtype(self):

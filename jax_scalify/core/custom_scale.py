@@ -210,7 +210,7 @@ def _vmapped_rule(rule: Callable[..., list], batched: Sequence[bool], size: int)
     """
     # The scale arithmetic lives with the rules (jax_scalify.lax), which core does not import
     # while it is itself being imported; a batched rule only runs once jax_scalify is loaded.
-    from ..lax.base_scaling import rebalance_stacked, with_scalar_scale
+    from .scaling import rebalance_stacked, with_scalar_scale
 
     def batched_rule(*inputs):
         in_axes = []

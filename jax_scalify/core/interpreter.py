@@ -8,7 +8,7 @@ Evaluation is equation by equation:
    (see :mod:`jax_scalify.core.promotion`);
 3. no rule: ``NotImplementedError`` naming the primitive, inputs and user source line.
 
-The rescale policy (:mod:`jax_scalify.core.policy`) adds dynamic rescales at a few points:
+The rescale policy (:mod:`jax_scalify.core.sites`) adds dynamic rescales at a few points:
 the gradients leaving the backward pass (rescaled together before their first use by a
 forward equation), and the outputs of ``scalify``; loop carries are the control-flow rules'.
 
@@ -23,7 +23,6 @@ import contextlib
 import functools
 import inspect
 import os
-import sys
 import threading
 import traceback as pytraceback
 import weakref
@@ -37,7 +36,7 @@ from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, jaxprs_in_params
 
 from . import constants
-from . import policy as rescale_policy
+from . import sites as rescale_policy
 from .array import (
     ScaledArray,
     check_scalify_inputs,
@@ -48,9 +47,9 @@ from .array import (
     unscaled,
     warn_restored_scaled_arrays,
 )
-from .policy import RescalePolicy
 from .promotion import any_scale_array, is_any_scale, promote
 from .registry import RegisteredRule, ScaledPrimitiveType, registered_rule
+from .sites import ScalePolicy
 from .vma import match_varying_axes
 
 
@@ -91,7 +90,7 @@ def is_tracing_user_code() -> bool:
 def scalify(
     fun: Callable[..., Any] | None = None,
     *,
-    policy: RescalePolicy | None = None,
+    policy: ScalePolicy | None = None,
     static_argnums: int | Sequence[int] | None = None,
     static_argnames: str | Sequence[str] | None = None,
 ) -> Callable[..., Any]:
@@ -153,7 +152,7 @@ def scalify(
     @functools.wraps(fun)
     def scalified(*args, **kwargs):
         args, kwargs = _hold_static_arguments(args, kwargs, argnums, argnames)
-        graph_call = _nnx_graph_call(fun, args, kwargs)
+        graph_call = _adapted_call(fun, args, kwargs)
         if graph_call is not None:
             outs = _scalified_call(trace_cache, policy, graph_call.functional_fun, graph_call.functional_args, {})
             return graph_call.write_back(*outs)
@@ -163,7 +162,7 @@ def scalify(
     return scalified
 
 
-def _scalified_call(trace_cache, policy: RescalePolicy, fun, args, kwargs):
+def _scalified_call(trace_cache, policy: ScalePolicy, fun, args, kwargs):
     leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=is_scaled_leaf)
     if is_tracing_user_code() and not any(isinstance(x, ScaledArray) for x in leaves):
         # Called while an outer scalify traces: the outer interpreter sees these equations.
@@ -235,13 +234,26 @@ def _hold_static_arguments(args: tuple, kwargs: dict, argnums: frozenset, argnam
     return args, kwargs
 
 
-def _nnx_graph_call(fun, args, kwargs):
-    """A functional form of ``fun`` when Flax NNX objects are among the arguments, else None."""
-    if "flax.nnx" not in sys.modules:  # no NNX object can exist before flax.nnx is imported
-        return None
-    from ..interop import nnx as nnx_interop
+_call_adapters: list[Callable[[Callable, tuple, dict], Any]] = []
 
-    return nnx_interop.GraphCall.of(fun, args, kwargs)
+
+def register_call_adapter(adapter: Callable[[Callable, tuple, dict], Any]) -> None:
+    """Register ``adapter(fun, args, kwargs)``, consulted at every call of a scalified function.
+
+    For arguments that are not pytrees of arrays (Flax NNX modules, updated in place): it
+    returns None, or an object with ``functional_fun`` and ``functional_args`` (a pure
+    function of arrays and its arguments) and ``write_back(*outs)`` (applies the pure
+    function's outputs to the objects given and returns the call's result).
+    """
+    _call_adapters.append(adapter)
+
+
+def _adapted_call(fun, args, kwargs):
+    for adapter in _call_adapters:
+        call = adapter(fun, args, kwargs)
+        if call is not None:
+            return call
+    return None
 
 
 def _as_jax_arrays(x):
@@ -454,16 +466,16 @@ def _rebind_rescaled_operands(eqn: JaxprEqn, invals: list, rescaled: dict, write
 
 def _gradients_to_rescale(jaxpr: Jaxpr) -> frozenset:
     """The variables of ``jaxpr`` the active policy rescales as gradients (none in a backward pass)."""
-    if not rescale_policy.active_policy().gradients or rescale_policy.in_backward_pass():
+    if rescale_policy.in_backward_pass():
         return frozenset()
-    return rescale_policy.gradient_boundary(jaxpr)
+    return rescale_policy.active_policy().gradient_values(jaxpr)
 
 
 def _residuals_to_rescale(jaxpr: Jaxpr) -> frozenset:
     """The forward values of ``jaxpr`` the active policy rescales before the backward pass multiplies them."""
-    if not rescale_policy.active_policy().gradients or rescale_policy.in_backward_pass():
+    if rescale_policy.in_backward_pass():
         return frozenset()
-    return rescale_policy.backward_product_residuals(jaxpr)
+    return rescale_policy.active_policy().residual_values(jaxpr)
 
 
 def _eval_equation(eqn: JaxprEqn, invals: list) -> list:

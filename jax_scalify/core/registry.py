@@ -27,6 +27,22 @@ from jax.extend.core import primitives as _primitives
 ScaledRule = Callable[..., Any]
 
 
+class Site(enum.Enum):
+    """What kind of computation a rule performs, where it matters to a scale policy.
+
+    A rule declares its site when it is registered; the interpreter and the policy's jaxpr
+    analyses read it instead of naming primitives.
+
+    - ``PRODUCT``: an elementwise product (``mul``): a derivative's backward products read
+      forward values (the residuals a policy may rescale first).
+    - ``CAST``: a change of floating dtype (``convert_element_type``): plain data narrowed
+      inside a backward pass enter it scaled.
+    """
+
+    PRODUCT = "product"
+    CAST = "cast"
+
+
 class ScaledPrimitiveType(enum.IntEnum):
     """When the interpreter calls a primitive's scale rule.
 
@@ -57,6 +73,7 @@ class RegisteredRule:
         scalar_fn: for scalar-preserving primitives, ``scalar_fn(*scalars, **params)`` maps
             the scalars of operands that are all broadcast constants to the scalar of the
             output (NumPy), or to ``None`` where the output is not one; None otherwise.
+        site: the :class:`Site` the primitive's computation is, or None.
     """
 
     primitive: Primitive
@@ -65,6 +82,7 @@ class RegisteredRule:
     summary: str
     unpromoted_inputs: bool = False
     scalar_fn: Callable[..., Any] | None = None
+    site: Site | None = None
 
 
 _RULES: dict[Primitive, RegisteredRule] = {}
@@ -100,6 +118,7 @@ def register_scaled_op(
     *,
     unpromoted_inputs: bool = False,
     scalar_preserving: bool | Callable[..., Any] = False,
+    site: Site | None = None,
 ):
     """Register ``rule`` as the scale rule of ``primitive``; usable as a decorator.
 
@@ -123,6 +142,7 @@ def register_scaled_op(
             gradient, stay known and are split exactly into mantissa and power-of-two scale
             where they meet scaled data. The function's result on the operands as traced, cast
             to the output dtype, replaces the equation: it must be what the primitive computes.
+        site: the :class:`Site` of the primitive's computation, if a scale policy acts there.
 
     Returns:
         The rule (so the decorator leaves the function usable by name).
@@ -131,7 +151,12 @@ def register_scaled_op(
         raise TypeError(f"register_scaled_op expects a JAX primitive (jax.extend.core.Primitive), got {primitive!r}.")
     if rule is None:
         return lambda fn: register_scaled_op(
-            primitive, fn, scaled_type, unpromoted_inputs=unpromoted_inputs, scalar_preserving=scalar_preserving
+            primitive,
+            fn,
+            scaled_type,
+            unpromoted_inputs=unpromoted_inputs,
+            scalar_preserving=scalar_preserving,
+            site=site,
         )
     if not callable(rule):
         raise TypeError(f"The scale rule for '{primitive.name}' must be callable, got {rule!r}.")
@@ -142,6 +167,7 @@ def register_scaled_op(
         _summary_of(rule),
         unpromoted_inputs=bool(unpromoted_inputs),
         scalar_fn=_scalar_fn(primitive, scalar_preserving),
+        site=None if site is None else Site(site),
     )
     _generation[0] += 1
     return rule
@@ -166,6 +192,7 @@ def register_scaled_lax_op(
     scaled_type: ScaledPrimitiveType = ScaledPrimitiveType.FORWARD,
     unpromoted_inputs: bool = False,
     scalar_preserving: bool | Callable[..., Any] = False,
+    site: Site | None = None,
 ):
     """Decorator: register ``scaled_<name>`` as the rule of the LAX primitive ``<name>_p``.
 
@@ -173,7 +200,9 @@ def register_scaled_lax_op(
     ``@register_scaled_lax_op(scalar_preserving=True)`` passes the options of
     :func:`register_scaled_op`.
     """
-    options = dict(scaled_type=scaled_type, unpromoted_inputs=unpromoted_inputs, scalar_preserving=scalar_preserving)
+    options = dict(
+        scaled_type=scaled_type, unpromoted_inputs=unpromoted_inputs, scalar_preserving=scalar_preserving, site=site
+    )
     if rule is None:
         return lambda fn: register_scaled_lax_op(fn, **options)
     name = getattr(rule, "__name__", "")

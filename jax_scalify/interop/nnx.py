@@ -10,7 +10,7 @@ after the call is an extra output, and it is written back into the objects given
 variable given as a plain array is written back as a plain array, its value (state the user did not scale, such as the running totals of ``nnx.MultiMetric``, is read
 outside ``scalify``: ``metrics.compute()``).
 
-Only the public Flax API is used, and this module is imported only when ``flax.nnx`` is.
+Only the public Flax API is used; :mod:`jax_scalify.interop` imports this module only once ``flax.nnx`` is.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Importing this package registers every rule. Rules are grouped by family, one module each;
 this namespace holds every module's ``__all__`` (the scaling primitives ``set_scaling``,
 ``get_data_scale``, ``stop_scaling``, ``rebalance``, and each rule as ``scaled_<primitive>``).
-The scale arithmetic the rules share is in :mod:`.base_scaling`, the evaluation of sub-jaxprs
+The scale arithmetic the rules share is in :mod:`jax_scalify.core.scaling`, the evaluation of sub-jaxprs
 and the fixed point of which of their outputs are scaled in :mod:`.subjaxpr` (both exported
 for rule authors by :mod:`jax_scalify.extend`, not here).
 """

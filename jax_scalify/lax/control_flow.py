@@ -21,7 +21,7 @@ nothing about scales needs to be carried across the loop boundary.
 
 Under a rescale policy with ``loop_carries`` (the default of ``jsa.scalify``), the scaled
 carries a ``scan`` or ``while`` body returns are rescaled dynamically at every iteration
-(their RMS moved into the scale, see :mod:`jax_scalify.core.policy`): a body's static
+(their RMS moved into the scale, see :mod:`jax_scalify.core.sites`): a body's static
 estimate would otherwise compound once per iteration (a recurrent cell's carry scale
 growing by a constant factor per step until the data underflow). This covers the
 transposed scans of a backward pass too. The value of each carry is unchanged.
@@ -39,9 +39,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from ..core.array import ScaledArray, is_concrete
 from ..core.interpreter import eval_closed_jaxpr
-from ..core.policy import rescale_loop_carries
 from ..core.registry import lax_primitive, register_scaled_op
-from .base_scaling import (
+from ..core.scaling import (
     align_to_largest,
     as_scale,
     rebalance_stacked,
@@ -49,6 +48,7 @@ from .base_scaling import (
     unscaled,
     with_scalar_scale,
 )
+from ..core.sites import rescale_loop_carries
 from .subjaxpr import check_structure, eval_sub_jaxpr, fixed_point
 from .subjaxpr import is_scaled as _is_scaled
 

@@ -18,9 +18,9 @@ from jax.interpreters import ad, batching, mlir
 
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import get_scalify_config
-from ..core.policy import mark_rescaled
 from ..core.registry import ScaledPrimitiveType, register_scaled_op
-from .base_scaling import as_scale, mul_data, unscaled
+from ..core.scaling import as_scale, mul_data, unscaled
+from ..core.sites import mark_rescaled
 
 Array = Any
 

@@ -30,24 +30,15 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import Pow2RoundMode, get_scalify_config
-from ..core.policy import (
-    active_policy,
-    inherit_mark,
-    is_self_product,
-    rescale_into_narrow,
-    rescale_self_product,
-    rescales_cast,
-    rescales_in_backward_pass,
-)
+from ..core.measure import lowered_to_largest_entry
 from ..core.pow2 import pow2_round_positive_or_one
-from ..core.registry import register_scaled_lax_op, register_scaled_op
-from .base_scaling import (
+from ..core.registry import Site, register_scaled_lax_op, register_scaled_op
+from ..core.scaling import (
     as_scale,
     constant_raises_scale,
     is_any_scale,
     is_numpy,
     largest_scale,
-    lowered_to_largest_entry,
     mul_data,
     narrow_range,
     rescale,
@@ -64,6 +55,15 @@ from .base_scaling import (
     value_order_data,
     widen,
     zero_to_one,
+)
+from ..core.sites import (
+    active_policy,
+    inherit_mark,
+    is_self_product,
+    rescale_into_narrow,
+    rescale_self_product,
+    rescales_cast,
+    rescales_in_backward_pass,
 )
 
 Array = Any
@@ -307,7 +307,7 @@ def scaled_add_any(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
 
 
 # --- products --------------------------------------------------------------------------------
-@register_scaled_lax_op(scalar_preserving=_exact_scalar(np.multiply))
+@register_scaled_lax_op(scalar_preserving=_exact_scalar(np.multiply), site=Site.PRODUCT)
 def scaled_mul(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Scale sa * sb, data da * db (a scale past the float32 range moves its excess into the data).
 
@@ -472,7 +472,7 @@ def _reduce_precision_scalar(scalar: np.ndarray, *, exponent_bits: int, mantissa
     return np.asarray(out)
 
 
-@register_scaled_lax_op(scalar_preserving=_convert_scalar)
+@register_scaled_lax_op(scalar_preserving=_convert_scalar, site=Site.CAST)
 def scaled_convert_element_type(x: ScaledArray, *, new_dtype: Any, **params) -> Any:
     """Float to float: data cast, scale kept; to int or bool: plain array from the float32 value.
 

@@ -38,9 +38,9 @@ from ..core.array import ScaledArray
 from ..core.config import ScalifyConfig, get_scalify_config
 from ..core.constants import constant_value, known_scalar
 from ..core.interpreter import eval_closed_jaxpr
-from ..core.policy import RescalePolicy, active_policy, in_backward_pass
 from ..core.promotion import is_any_scale
 from ..core.registry import lax_primitive, register_scaled_lax_op, register_scaled_op, registry_generation
+from ..core.sites import ScalePolicy, active_policy, in_backward_pass
 
 jit_p = lax_primitive("jit")
 custom_jvp_call_p = lax_primitive("custom_jvp_call")
@@ -72,7 +72,7 @@ def _jitted_body(
     keep_unused: bool,
     signature: _CallSignature,
     config: ScalifyConfig,
-    policy: RescalePolicy,
+    policy: ScalePolicy,
     backward: bool,
     rules: int,
 ):

@@ -43,8 +43,8 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.registry import register_scaled_op
+from ..core.scaling import as_scale, is_numpy, mul_data, scale_div, unit_scaled_sum, zero_to_one
 from ..core.vma import varying_axes
-from .base_scaling import as_scale, is_numpy, mul_data, scale_div, unit_scaled_sum, zero_to_one
 from .subjaxpr import check_structure, eval_sub_jaxpr, fixed_point
 
 Array = Any

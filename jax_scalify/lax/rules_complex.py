@@ -25,7 +25,7 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
 from ..core.registry import register_scaled_lax_op
-from .base_scaling import to_float32_value
+from ..core.scaling import to_float32_value
 
 
 def _value(x: Any) -> Any:

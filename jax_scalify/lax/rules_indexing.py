@@ -25,10 +25,9 @@ from jax.extend.core import Primitive
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, narrow_range
-from ..core.policy import mark_sparse, rescales_in_backward_pass
 from ..core.promotion import is_any_scale
 from ..core.registry import primitive_of, register_scaled_lax_op, register_scaled_op
-from .base_scaling import (
+from ..core.scaling import (
     align_to_largest,
     as_scale,
     bind_aligned,
@@ -41,6 +40,7 @@ from .base_scaling import (
     with_scalar_scale,
     zero_to_one,
 )
+from ..core.sites import mark_sparse, rescales_in_backward_pass
 
 Array = Any
 

@@ -27,7 +27,7 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
 from ..core.registry import primitive_of, register_scaled_lax_op, register_scaled_op
-from .base_scaling import (
+from ..core.scaling import (
     as_scale,
     bind_aligned,
     bind_keep_scale,
@@ -57,7 +57,7 @@ def _scale_with_scalar_fill(operand: ScaledArray, fill: ScaledArray) -> Array:
     data (at run time when traced): a zero or infinite fill adopts the operand's scale
     instead of pulling the operand's data down to its own (scale 1 for an unknown 0). A zero
     common scale (everything asserted zero) becomes 1. A non-zero finite constant fill counts
-    as in a select (:func:`~jax_scalify.lax.base_scaling.largest_scale`): at its fitting
+    as in a select (:func:`~jax_scalify.core.scaling.largest_scale`): at its fitting
     scale, within reach of the operand's.
     """
     if is_any_scale(fill) or is_any_scale(operand):

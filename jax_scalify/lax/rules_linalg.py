@@ -16,7 +16,7 @@ The ``1/r`` is an exact power-of-two multiply, applied where it costs least
 Under the rescale policy's ``contractions`` (the default), the result of a forward
 contraction is then rescaled from its data: the ``sqrt(K)`` estimate is right for
 independent operands, and trained weights and positive activations are not
-(:func:`jax_scalify.core.policy.rescale_contraction`).
+(:func:`jax_scalify.core.sites.rescale_contraction`).
 
 Every param of the equation (``preferred_element_type``, precision, dimension numbers,
 groups, dilations, padding, sharding) is kept: the primitive is bound on the data with the
@@ -34,15 +34,15 @@ import numpy as np
 from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
-from ..core.policy import rescale_contraction, rescale_self_product_operands
 from ..core.registry import register_scaled_lax_op
-from .base_scaling import (
+from ..core.scaling import (
     as_scale,
     mul_data,
     narrow_range,
     scaled_product,
     sqrt_size_pow2,
 )
+from ..core.sites import rescale_contraction, rescale_self_product_operands
 
 Array = Any
 

@@ -44,7 +44,7 @@ from jax.extend.core import primitives as P
 from ..core.array import ScaledArray
 from ..core.interpreter import eval_closed_jaxpr
 from ..core.registry import register_scaled_lax_op, register_scaled_op
-from .base_scaling import (
+from ..core.scaling import (
     align_to_largest,
     as_scale,
     exact_root,

@@ -22,7 +22,7 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
 from ..core.registry import primitive_of, register_scaled_lax_op, register_scaled_op
-from .base_scaling import with_scalar_scale
+from ..core.scaling import with_scalar_scale
 
 Array = Any
 

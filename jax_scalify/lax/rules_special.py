@@ -30,7 +30,7 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.registry import ScaledPrimitiveType, register_scaled_lax_op, register_scaled_op
-from .base_scaling import (
+from ..core.scaling import (
     align_to_largest,
     as_scale,
     num_elements,

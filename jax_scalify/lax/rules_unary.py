@@ -30,10 +30,9 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
 from ..core.constants import known_scalar
-from ..core.policy import active_policy, rescale_operand
 from ..core.pow2 import exp2_int, pow2_exponent
 from ..core.registry import register_scaled_lax_op, register_scaled_op
-from .base_scaling import (
+from ..core.scaling import (
     ScaleMap,
     as_scale,
     exact_root,
@@ -51,6 +50,7 @@ from .base_scaling import (
     value_order_data,
     widen,
 )
+from ..core.sites import active_policy, rescale_operand
 
 Array = Any
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.array import ScaledArray
-from ..lax.base_scaling import as_scale
+from ..core.scaling import as_scale
 
 Array = Any
 Axis = int | Sequence[int] | None

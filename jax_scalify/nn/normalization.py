@@ -21,9 +21,10 @@ import numpy as np
 from ..core.array import ScaledArray
 from ..core.custom_scale import custom_scale
 from ..core.interpreter import scalify
-from ..core.policy import STATIC_POLICY
+from ..core.measure import Norm
 from ..core.pow2 import pow2_round_up
-from ..ops.rescaling import Norm, dynamic_rescale_grad
+from ..ops.rescaling import dynamic_rescale_grad
+from ..policy import STATIC_POLICY
 from ._util import Axis, normalize_axes, pow2_scale, scalar_scale, scaled_output, widen
 
 Array = Any

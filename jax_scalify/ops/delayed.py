@@ -30,9 +30,17 @@ import numpy as np
 from ..core.array import ScaledArray, is_scaled_leaf
 from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.interpreter import scalify
-from ..core.policy import STATIC_POLICY
+from ..core.measure import (
+    Norm,
+    NormFn,
+    is_floating_array,
+    min_scale_pow2,
+    norm_function,
+    rescale_factor,
+    statistic_dtype,
+)
 from ..lax.primitives import get_data_scale, rebalance, stop_scaling
-from .rescaling import Norm, NormFn, is_floating_array, min_scale_pow2, norm_function, rescale_factor, statistic_dtype
+from ..policy import STATIC_POLICY
 
 Array = Any
 PyTree = Any

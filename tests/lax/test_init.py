@@ -32,7 +32,7 @@ def test_every_registered_rule_is_exported_by_its_module_and_by_jsa_lax():
             assert getattr(jsa.lax, name) is entry.rule and name in jsa.lax.__all__
 
 
-_HELPER_MODULES = ("jax_scalify.lax.base_scaling", "jax_scalify.lax.subjaxpr")
+_HELPER_MODULES = ("jax_scalify.core.scaling", "jax_scalify.lax.subjaxpr")
 
 
 def test_jsa_lax_is_exactly_the_rule_modules_all():

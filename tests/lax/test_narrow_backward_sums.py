@@ -1,7 +1,7 @@
 """Backward-pass sums of float16 data whose reducer is typed: max-pool gradients, generic reduces.
 
 In the backward pass a sum of float16/FP8 data is accumulated in float32 (see
-``base_scaling.unit_scaled_sum``). Max-pool gradients (``select_and_scatter_add``) and
+``core.scaling.unit_scaled_sum``). Max-pool gradients (``select_and_scatter_add``) and
 ``reduce`` / ``reduce_window`` with an ``add`` reducer and a non-zero init carry something
 typed in the data dtype (the pooled operand, the reduction jaxpr) that must follow the
 float32 data. Each test runs the way users reach it, ``jax.jit(jsa.scalify(jax.grad(f)))`` on

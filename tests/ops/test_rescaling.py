@@ -6,7 +6,7 @@ import pytest
 
 import jax_scalify as jsa
 from jax_scalify import ops
-from jax_scalify.ops.rescaling import rescale_scaled_arrays, rescaled_into_narrow, strided_sample
+from jax_scalify.core.measure import rescale_scaled_arrays, rescaled_into_narrow, strided_sample
 from tests.invariance import STATIC_POLICY, assert_pow2_scales
 
 RESCALES = {"l1": ops.dynamic_rescale_l1, "l2": ops.dynamic_rescale_l2, "max": ops.dynamic_rescale_max}

@@ -1,4 +1,4 @@
-"""Helpers of ``jax_scalify.lax.base_scaling``: exact power-of-two multiplies of the data, stacked scales."""
+"""Helpers of ``jax_scalify.core.scaling``: exact power-of-two multiplies of the data, stacked scales."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jax_scalify as jsa
-from jax_scalify.lax.base_scaling import (
+from jax_scalify.core.scaling import (
     mul_data,
     narrowed_within_range,
     numpy_api,

@@ -22,11 +22,18 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Jaxpr, Primitive
 
-from ..core.array import ScaledArray, narrow_range, unscaled
-from ..core.config import Pow2RoundMode, get_scalify_config
-from ..core.policy import mark_rescaled, rescale_into_narrow, rescales_in_backward_pass
-from ..core.policy import rescale as rescale_by_policy
-from ..core.pow2 import (
+from .array import ScaledArray, narrow_range, unscaled
+from .config import Pow2RoundMode, get_scalify_config
+from .measure import (
+    as_scale,
+    is_wide_dtype,
+    mul_data,
+    narrowed_within_range,
+    saturated_cast,
+    scale_bounds,
+    scale_dtype,
+)
+from .pow2 import (
     is_numpy,
     numpy_api,
     pow2_exponent,
@@ -35,28 +42,12 @@ from ..core.pow2 import (
     pow2_round_up,
     scales_are_pow2,
 )
-from ..core.promotion import any_scale_array, is_any_scale
+from .promotion import any_scale_array, is_any_scale
+from .sites import mark_rescaled, rescale_into_narrow, rescales_in_backward_pass
+from .sites import rescale as rescale_by_policy
 
 Array = Any
 ScaleMap = Callable[[Array], Array]
-
-
-def scale_dtype() -> np.dtype:
-    """The configured scale dtype."""
-    return get_scalify_config().scale_dtype
-
-
-def as_scale(s: Array) -> Array:
-    """``s`` in the configured scale dtype (NumPy stays NumPy, so constants fold at trace time).
-
-    A JAX scale already of that dtype is returned as it is (same object, so rules can tell
-    that two operands share one scale).
-    """
-    if isinstance(s, (np.ndarray, np.generic, float, int)):
-        return np.asarray(s, scale_dtype())
-    if getattr(s, "dtype", None) == scale_dtype() and not getattr(s, "weak_type", False):
-        return s
-    return jnp.asarray(s).astype(scale_dtype())
 
 
 def select(pred: Array, on_true: Array, on_false: Array) -> Array:
@@ -119,16 +110,6 @@ def scale_div(a: Array, b: Array) -> Array:
         return a
     with np.errstate(divide="ignore", invalid="ignore"):  # a zero scale (asserted zero) gives inf or nan
         return as_scale(a / b)
-
-
-def scale_bounds() -> tuple[np.ndarray, np.ndarray]:
-    """``(smallest, largest)`` power of two that is a normal number of the scale dtype.
-
-    Output scales of products and quotients are kept in this range (``2**-126 .. 2**127`` in
-    float32): a subnormal scale is flushed to zero by XLA on CPU and ``2**128`` is inf.
-    """
-    info = np.finfo(scale_dtype())
-    return np.asarray(info.tiny, scale_dtype()), np.asarray(2.0 ** (info.maxexp - 1), scale_dtype())
 
 
 def scaled_product(data: Array, a: Array, b: Array, *, divide: bool = False) -> ScaledArray:
@@ -212,44 +193,6 @@ def sqrt_size_pow2(size: int) -> np.ndarray:
     return round_scale(np.sqrt(np.float64(max(size, 1))))
 
 
-def _wide(dtype) -> bool:
-    return jnp.finfo(dtype).bits >= 32
-
-
-def _native_16bit_factor(data: Array, factor: Array) -> np.ndarray | None:
-    """``factor`` in the 16-bit data dtype when multiplying in that dtype gives the float32 result.
-
-    For a trace-time factor that the dtype holds exactly (a power of two within its range),
-    the product rounded once from float32 and the product in the data dtype are the same
-    correctly rounded value. Multiplying in the data dtype lets XLA fold the factor into a
-    neighbouring kernel (on GPU, the epilogue of a matmul), where a convert-multiply-convert
-    is a kernel of its own.
-    """
-    if jnp.finfo(data.dtype).bits != 16 or not isinstance(factor, (np.ndarray, np.generic)) or np.ndim(factor):
-        return None
-    in_dtype = np.asarray(factor, data.dtype)
-    exact = np.isfinite(factor) and factor != 0 and np.asarray(in_dtype, np.float32) == factor
-    return in_dtype if exact else None
-
-
-def mul_data(data: Array, factor: Array) -> Array:
-    """``data * factor`` in the data dtype; ``factor`` a (power-of-two) scalar.
-
-    Narrow dtypes (16 and 8 bits) multiply in float32 and round once, so a factor outside
-    their range (e.g. ``2**-30`` for float16) is still applied exactly before rounding; a
-    trace-time factor that a 16-bit dtype holds exactly multiplies in that dtype (the same
-    value, see :func:`_native_16bit_factor`).
-    """
-    if isinstance(factor, (np.ndarray, np.generic)) and np.all(factor == 1):
-        return data
-    if _wide(data.dtype):
-        return data * jnp.asarray(factor).astype(data.dtype)
-    native = _native_16bit_factor(data, factor)
-    if native is not None:
-        return data * native
-    return (data.astype(jnp.float32) * jnp.asarray(factor).astype(jnp.float32)).astype(data.dtype)
-
-
 def rescale(x: ScaledArray, new_scale: Array) -> ScaledArray:
     """The same value as ``x`` with scale ``new_scale``: ``data * (scale / new_scale)``.
 
@@ -295,12 +238,6 @@ def _moved_constant(data: np.ndarray, quotient: Array) -> Array:
         tiny = (np.sign(data) * np.float32(jnp.finfo(dtype).smallest_subnormal)).astype(dtype)
         narrow = lax.select(nonzero & (narrow == 0), jnp.broadcast_to(tiny, narrow.shape), narrow)
     return jnp.broadcast_to(narrow, shape)
-
-
-def saturated_cast(wide: Array, dtype: Any) -> Array:
-    """Wide data cast to the narrow ``dtype``, clipped to its largest finite value (no inf; E4M3 has none)."""
-    largest = float(jnp.finfo(dtype).max)
-    return jnp.clip(wide, -largest, largest).astype(dtype)
 
 
 def scale_quotient(scale: Array, common: Array) -> Array:
@@ -543,7 +480,7 @@ def _root_of_moved_data(data: Array, inverse: Array, data_fn: Callable[[Array], 
     (the smallest subnormal halves to 0, whose square root has an infinite derivative), while
     the root itself lands well inside it: float32 holds the moved data exactly.
     """
-    if _wide(data.dtype):
+    if is_wide_dtype(data.dtype):
         return data_fn(mul_data(data, inverse))
     moved = data.astype(jnp.float32) * jnp.asarray(inverse).astype(jnp.float32)
     return data_fn(moved).astype(data.dtype)
@@ -636,7 +573,7 @@ def rescaled_and_narrowed(wide: ScaledArray, dtype: Any) -> ScaledArray:
     """A backward sum computed in float32 (or wider): its statistic moved into the scale, then cast to ``dtype`` without overflow.
 
     For float16/FP8 the statistic is that of the whole tensor, whose largest entry is
-    bounded too (:func:`jax_scalify.core.policy.rescale_into_narrow`);
+    bounded too (:func:`jax_scalify.core.sites.rescale_into_narrow`);
     for wide dtypes (bfloat16: float32's range) the policy's sampled rescale. The result
     counts as rescaled by the policy: a gradient it returns is not rescaled again at the end
     of the backward pass.
@@ -650,55 +587,6 @@ def rescaled_and_narrowed(wide: ScaledArray, dtype: Any) -> ScaledArray:
         if out.dtype != dtype:
             out = ScaledArray(out.data.astype(dtype), out.scale)
     return mark_rescaled(out)
-
-
-def largest_magnitude(data: Array) -> Array:
-    """The largest ``|data|`` of the whole tensor, in float32 (one reduction)."""
-    return jnp.max(jnp.abs(data)).astype(np.float32)
-
-
-def narrow_limit(dtype: Any) -> np.float32:
-    """Half the largest power of two of a narrow ``dtype`` (``2**14`` for float16): where guarded data stop."""
-    return np.float32(2.0 ** (jnp.finfo(dtype).maxexp - 2))
-
-
-def narrowed_within_range(x: ScaledArray, dtype: Any, lift: bool = False) -> ScaledArray:
-    """``x`` (wide data) cast to the narrow ``dtype``, its scale raised where its largest entry would overflow.
-
-    A statistic of a sample sets a unit-sized RMS; an entry more than about ``2**15`` times
-    that RMS (a bias gradient where a few units carry everything) would become inf in
-    float16. The largest magnitude of the whole tensor bounds the data at half the dtype's
-    largest power of two (a power-of-two factor: exact), at the cost of one reduction.
-    With ``lift``, data whose largest entry is below ``2**-8`` are also moved up until it is
-    in ``[1, 2)`` (the scale lowered, kept a normal number), from the same reduction.
-    """
-    if np.size(x.data) == 0:
-        return ScaledArray(x.data.astype(dtype), x.scale)
-    limit = narrow_limit(dtype)
-    peak = largest_magnitude(x.data)
-    factor = jnp.where(jnp.isfinite(peak) & (peak > limit), pow2_round_up(peak / limit), np.float32(1))
-    scale = as_scale(x.scale)
-    if lift:
-        small = jnp.isfinite(peak) & (peak > 0) & (peak < np.float32(2.0**-8))
-        lifted = jnp.maximum(pow2_round_down(peak), (scale_bounds()[0] / scale).astype(np.float32))
-        factor = jnp.where(small, lifted, factor)
-    # Divided, not multiplied by ``1 / factor``: the same exact result, and on XLA:CPU the
-    # float16 GPT step of benchmarks/overhead.py runs in 160 ms this way, 245 ms the other.
-    return ScaledArray((x.data / factor.astype(x.data.dtype)).astype(dtype), scale * factor.astype(scale.dtype))
-
-
-def lowered_to_largest_entry(x: ScaledArray) -> ScaledArray:
-    """``x`` with its scale lowered (never raised) until its largest data entry is in ``[1, 2)``.
-
-    One reduction of the whole tensor. All-zero or non-finite data keep their scale; the
-    scale stays a normal number.
-    """
-    peak = largest_magnitude(x.data)
-    below_one = jnp.isfinite(peak) & (peak > 0) & (peak < 1)
-    factor = jnp.where(below_one, pow2_round_down(peak), np.float32(1))
-    scale = as_scale(x.scale)
-    factor = jnp.maximum(factor, scale_bounds()[0] / scale).astype(scale.dtype)
-    return ScaledArray(mul_data(x.data, 1 / factor), scale * factor)
 
 
 def single_binary_reducer(jaxpr: Jaxpr, consts: Sequence[Any]) -> Primitive | None:

@@ -9,7 +9,8 @@ import optax
 import pytest
 
 import jax_scalify as jsa
-from jax_scalify.core import policy as policy_module
+from jax_scalify.core import sites
+from jax_scalify.policy import analyses
 from tests.invariance import exact_value, scaled, value_at_scale
 
 STATIC = jsa.RescalePolicy.static()
@@ -47,7 +48,7 @@ def test_default_and_static_presets():
         or STATIC.self_products
         or STATIC.fp8_casts
     )
-    assert jsa.RescalePolicy is jsa.core.RescalePolicy
+    assert jsa.RescalePolicy is jsa.policy.RescalePolicy
 
 
 def test_bad_policy_arguments_are_refused_with_a_clear_error():
@@ -544,8 +545,8 @@ def test_products_of_projections_with_correlated_terms_do_not_overflow_float16()
 
 def test_contractions_of_the_backward_pass_and_of_constants_stay_static(monkeypatch):
     calls = []
-    real = policy_module.rescale
-    monkeypatch.setattr(policy_module, "rescale", lambda x, *a: calls.append(x.shape) or real(x, *a))
+    real = sites.rescale
+    monkeypatch.setattr(sites, "rescale", lambda x, *a: calls.append(x.shape) or real(x, *a))
     only_contractions = jsa.RescalePolicy(
         gradients=False, loop_carries=False, outputs=False, self_products=False, fp8_casts=False
     )
@@ -631,7 +632,7 @@ def test_bfloat16_backward_sums_keep_their_dtype():
 
 def test_gradient_boundary_is_the_values_leaving_the_backward_pass():
     closed = jax.make_jaxpr(sgd_step)(W, X)
-    boundary = policy_module.gradient_boundary(closed.jaxpr)
+    boundary = analyses.gradient_boundary(closed.jaxpr)
     loss, grads, _ = closed.jaxpr.outvars
     assert grads in boundary and loss not in boundary
     definers = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
@@ -640,12 +641,10 @@ def test_gradient_boundary_is_the_values_leaving_the_backward_pass():
 
 
 def test_gradients_are_rescaled_once_in_one_batch_after_the_backward_pass(monkeypatch):
-    from jax_scalify.ops import rescaling
-
     batches = []
-    original = rescaling.rescale_scaled_arrays
+    original = sites.rescale_scaled_arrays
     monkeypatch.setattr(
-        rescaling,
+        sites,
         "rescale_scaled_arrays",
         lambda xs, *a, **k: batches.append([x.shape for x in xs]) or original(xs, *a, **k),
     )
@@ -667,11 +666,11 @@ def test_gradients_are_rescaled_once_in_one_batch_after_the_backward_pass(monkey
     ]  # all gradients, together, before the update uses them
     batches.clear()
     _, grads, _ = jsa.scalify(sgd_step)(ws, x)
-    # The stacked weights' gradient is the last of the backward sums (each rescaled from its
-    # result), so it is not rescaled again after the backward pass; then the returned loss and
-    # new weights (the gradients not a second time).
-    assert batches[-2:] == [[W.shape], [(), W.shape]]
-    assert [(), W.shape] not in batches[:-1]
+    # The stacked weights' gradient is the last of the backward sums (an add_any, rescaled from
+    # its result: the value carries that mark), so it is not rescaled again after the backward
+    # pass; then the returned loss and new weights (the gradients not a second time).
+    assert batches[-1] == [(), W.shape]
+    assert [W.shape] not in batches and [(), W.shape] not in batches[:-1]
     assert 0.5 <= data_rms(grads) < 2.0
 
 
@@ -681,12 +680,13 @@ def test_outputs_rescaled_with_the_policys_statistic_and_cast_are_not_rescaled_a
     from jax_scalify.ops import rescaling
 
     batches = []
-    original = rescaling.rescale_scaled_arrays
-    monkeypatch.setattr(
-        rescaling,
-        "rescale_scaled_arrays",
-        lambda xs, *a, **k: batches.append([x.shape for x in xs]) or original(xs, *a, **k),
-    )
+    original = sites.rescale_scaled_arrays
+    for module in (sites, rescaling):  # the policy's sites and jsa.ops.dynamic_rescale
+        monkeypatch.setattr(
+            module,
+            "rescale_scaled_arrays",
+            lambda xs, *a, **k: batches.append([x.shape for x in xs]) or original(xs, *a, **k),
+        )
     x = scaled(X * 2.0**-8, 8)
     stored = jsa.scalify(lambda x: jsa.ops.dynamic_rescale(2 * x, "l2").astype(jnp.float16))(x)
     assert batches == [[X.shape]]  # the rescale of the function; none by the policy's outputs
@@ -737,10 +737,10 @@ def test_a_float16_sum_of_same_signed_terms_in_the_backward_pass_does_not_overfl
 
 def test_policy_is_active_only_while_scalify_evaluates():
     seen = []
-    with jsa.extend.observe_equations(lambda *_: seen.append(policy_module.active_policy())):
+    with jsa.extend.observe_equations(lambda *_: seen.append(sites.active_policy())):
         jsa.scalify(lambda a: a * 2.0, policy=jsa.RescalePolicy(norm="max"))(scaled(X, 1))
     assert seen and all(p.norm == "max" for p in seen)
-    assert policy_module.active_policy() is policy_module.STATIC_POLICY
+    assert sites.active_policy().is_static
 
 
 @pytest.mark.parametrize("policy", [STATIC, jsa.RescalePolicy()], ids=["static", "default"])
