@@ -13,11 +13,18 @@ from .core import (
     scaled_array,
     scalify,
 )
-from .ops import debug_callback
-from .tree import device_put, scaled_shardings
 from .tree.serialization import install_flax_hook as _install_flax_hook
+from .tree.sharding import device_put, scaled_shardings
 
 _install_flax_hook()
+
+from . import compat  # noqa: E402  (last: it imports every layer)
+
+
+def __getattr__(name: str):
+    # jax-scalify 0.1's names of the package that are no longer in its API (jax_scalify.compat).
+    return compat.name_of_0_1(__name__, name)
+
 
 __version__ = "0.2.0.dev0"
 
@@ -29,7 +36,6 @@ __all__ = [
     "as_scaled_array",
     "asarray",
     "custom_scale",
-    "debug_callback",
     "device_put",
     "is_scaled_leaf",
     "scaled_array",
