@@ -12,12 +12,13 @@ from .core import (
     scaled_array,
     scalify,
 )
-from .ops import debug_callback
 from .policy import RescalePolicy
-from .tree import device_put, scaled_shardings
 from .tree.serialization import install_flax_hook as _install_flax_hook
+from .tree.sharding import device_put, scaled_shardings
 
 _install_flax_hook()
+
+from . import compat  # noqa: E402,F401  (last: it imports every layer, then sets 0.1's names on core, lax and here)
 
 __version__ = "0.2.0.dev0"
 
@@ -29,7 +30,6 @@ __all__ = [
     "as_scaled_array",
     "asarray",
     "custom_scale",
-    "debug_callback",
     "device_put",
     "is_scaled_leaf",
     "scaled_array",

@@ -11,40 +11,40 @@ and ``analysis`` namespaces hold the user API. A rule author finds here, in one 
 - what is known about a value: :func:`known_scalar` (the scalar a plain value known at trace
   time repeats: a constant is its NumPy value), :class:`ScaleFacts` (``any_scale``, ``slices``: pytree aux
   data of a ``ScaledArray``), :func:`any_scale_array`, :func:`is_any_scale`, :func:`promote`,
-  and the power-of-two contract :func:`scales_are_pow2`;
+  :func:`is_numpy` (a trace-time constant), and the power-of-two contract :func:`scales_are_pow2`;
 - sub-jaxprs (from :mod:`jax_scalify.lax.subjaxpr`): :func:`eval_sub_jaxpr` on an open
   jaxpr and :func:`fixed_point` / :func:`check_structure` for bodies whose scaled outputs
   must be fixed before they are traced (loop carries, branches, ``shard_map``);
 - the scale arithmetic the built-in rules share (from :mod:`jax_scalify.core.scaling`):
-  exact power-of-two rescaling (:func:`rescale`, :func:`mul_data`), common scales
+  exact power-of-two rescaling (:func:`at_scale`, :func:`mul_data`), common scales
   (:func:`largest_scale`, :func:`align_to_largest`), scale products kept within range
-  (:func:`scaled_product`, :func:`scaled_power`), values in float32 (:func:`value_of`,
-  :func:`scaled_from_value`), unit-scaled sums and exact roots;
+  (:func:`scaled_product`, :func:`scaled_power`), a primitive on the value in float32
+  (:func:`on_value`; :func:`scaled_from_value` builds the result of such a computation, whose
+  operand values ``jsa.asarray(x)`` reads), unit-scaled sums and exact roots;
 - ``custom_scale_call_p``, the primitive behind :func:`jax_scalify.custom_scale`.
+
+The data model (``ScaledArray``, ``is_scaled_leaf``, ``asarray``) is the package's.
 
 Example, a rule for a primitive that keeps its operand's scale::
 
+    import jax_scalify as jsa
     from jax_scalify import extend as jsx
 
     @jsx.register_scaled_op(my_p, scalar_preserving=True)
-    def scaled_my_op(x: jsx.ScaledArray, **params) -> jsx.ScaledArray:
+    def scaled_my_op(x: jsa.ScaledArray, **params) -> jsa.ScaledArray:
         \"\"\"Scale kept, my_op applied to the data.\"\"\"
         return jsx.bind_keep_scale(my_p, x, **params)
 """
 
-from .core import scaling
-from .core.array import ScaledArray, ScaleFacts, is_floating_dtype
+from .core.array import ScaleFacts
 from .core.constants import known_scalar
 from .core.custom_scale import custom_scale_call_p
 from .core.interpreter import eval_closed_jaxpr, eval_scaled_jaxpr, observe_equations
-from .core.pow2 import scales_are_pow2
+from .core.pow2 import is_numpy, scales_are_pow2
 from .core.promotion import promote
 from .core.registry import (
     RegisteredRule,
     ScaledPrimitiveType,
-    ScaledRule,
-    find_registered_scaled_op,
-    lax_primitive,
     primitive_of,
     register_scaled_lax_op,
     register_scaled_op,
@@ -52,32 +52,69 @@ from .core.registry import (
     registered_rules,
 )
 from .core.scaling import *  # noqa: F401,F403  (its __all__: the shared scale arithmetic)
-from .lax import subjaxpr
 from .lax.subjaxpr import *  # noqa: F401,F403  (its __all__: sub-jaxprs and their scaled outputs)
 
-__all__ = (
-    [
-        "RegisteredRule",
-        "ScaleFacts",
-        "ScaledArray",
-        "ScaledPrimitiveType",
-        "ScaledRule",
-        "custom_scale_call_p",
-        "eval_closed_jaxpr",
-        "eval_scaled_jaxpr",
-        "find_registered_scaled_op",
-        "is_floating_dtype",
-        "known_scalar",
-        "lax_primitive",
-        "observe_equations",
-        "primitive_of",
-        "promote",
-        "register_scaled_lax_op",
-        "register_scaled_op",
-        "registered_rule",
-        "registered_rules",
-        "scales_are_pow2",
-    ]
-    + scaling.__all__
-    + subjaxpr.__all__
-)
+__all__ = [
+    # the registry
+    "RegisteredRule",
+    "ScaledPrimitiveType",
+    "primitive_of",
+    "register_scaled_lax_op",
+    "register_scaled_op",
+    "registered_rule",
+    "registered_rules",
+    # the interpreter
+    "eval_closed_jaxpr",
+    "eval_scaled_jaxpr",
+    "observe_equations",
+    # what is known about a value
+    "ScaleFacts",
+    "any_scale_array",
+    "is_any_scale",
+    "is_numpy",
+    "known_scalar",
+    "promote",
+    "scales_are_pow2",
+    "custom_scale_call_p",
+    # sub-jaxprs (lax.subjaxpr)
+    "StructureGrew",
+    "check_structure",
+    "eval_sub_jaxpr",
+    "fixed_point",
+    # the shared scale arithmetic (core.scaling)
+    "ScaleMap",
+    "align_to_largest",
+    "as_scale",
+    "bind_aligned",
+    "bind_keep_scale",
+    "exact_root",
+    "largest_scale",
+    "mul_data",
+    "narrow_range",
+    "num_elements",
+    "numpy_api",
+    "on_value",
+    "rebalance_stacked",
+    "at_scale",
+    "round_scale",
+    "saturated_cast",
+    "scale_bounds",
+    "scale_capped_at_one",
+    "scale_div",
+    "scale_dtype",
+    "scale_max",
+    "scale_min",
+    "scale_mul",
+    "scaled_from_value",
+    "scaled_power",
+    "scaled_product",
+    "select",
+    "single_binary_reducer",
+    "sqrt_size_pow2",
+    "unit_scale",
+    "unit_scaled_sum",
+    "value_order_data",
+    "widen",
+    "with_scalar_scale",
+    "zero_to_one",
+]

@@ -171,10 +171,9 @@ def _compiled_when_concrete(fn):
     """``fn`` under ``jax.jit`` when every leaf of its argument is a concrete array, else ``fn`` itself.
 
     ``init`` is usually called eagerly, before the first step: run op by op, its storing
-    (a statistic, a rescale and a cast per state tensor) compiled one small program per
-    operation and shape (140 for a 4-layer MLP with AdamW, five seconds). A tree with other
-    leaves (Python objects a custom state keeps) or traced ones (``init`` inside a trace)
-    goes through ``fn`` as it is.
+    (a statistic, a rescale and a cast per state tensor) would compile one small program per
+    operation and shape. A tree with other leaves (Python objects a custom state keeps) or
+    traced ones (``init`` inside a trace) goes through ``fn`` as it is.
     """
     compiled = jax.jit(fn)
 
@@ -217,8 +216,7 @@ def _plain_zeros_to_smallest_subnormal(x: Any, dtype: np.dtype) -> Any:
 
     An all-zero tensor keeps its zeros: they are values, not underflows (a moment that a
     conditional update left at zero, as SAM's adversarial steps leave Adam's), and its scale,
-    which no value set, would make the floor arbitrary (6e-8 against a true second moment of
-    2e-10: SAM's first Adam steps were 16 times too small).
+    which no value set, would make the floor arbitrary.
     """
     tiny = jnp.asarray(jnp.finfo(dtype).smallest_subnormal, x.dtype)
     floor = jnp.where(jnp.any(x != 0), tiny, jnp.zeros((), x.dtype))
@@ -394,11 +392,10 @@ def _carry_rule(
     residual, at most half a unit in the last place of the parameter, is stored at
     ``scale(param) * eps(param.dtype) / 2`` (static scales: no statistic). An update far
     below the parameter's unit in the last place (a learning rate decayed towards 0) applies
-    whole units when its residual crosses half of one; at the update's own scale one unit
-    would be 2**17 in float16 data at a learning rate of 2**-20 (inf, and the weight with it:
-    an MLP with AdamW and a warmup-cosine schedule to 0 was NaN at step 3979 of 4000). A
-    parameter with scale 0 (asserted zero) takes the grid of the update's scale, as the sum
-    in ``apply_updates`` will.
+    whole units when its residual crosses half of one; at the update's own scale such a unit
+    could overflow the data dtype, hence the larger of the two scales. A parameter with
+    scale 0 (asserted zero) takes the grid of the update's scale, as the sum in
+    ``apply_updates`` will.
     """
     f32 = lambda x: x.astype(WORK_DTYPE)  # noqa: E731
     update_scale = jnp.where(update.scale > 0, f32(update.scale), 1.0)
@@ -489,8 +486,8 @@ def scale_state(
       narrower than float32" below). It works inside
       a ``jsa.scalify`` step (the usual case) and outside one: with plain gradients the
       updates come back as plain arrays, so the state can be narrow in an otherwise
-      unscaled training loop (plain FP16 weights and gradients with ``optax.adam`` are NaN
-      from the first step; wrapped, they train like FP32).
+      unscaled training loop (plain FP16 weights and gradients with ``optax.adam`` then
+      train like FP32).
 
     Why each step is needed: in FP16 ``eps = 1e-8`` is 0 and ``mu / (sqrt(nu) + eps)`` is
     ``0 / 0`` wherever a gradient entry is zero, so the arithmetic is float32. The scale
@@ -505,59 +502,52 @@ def scale_state(
     Small entries: one scale per tensor gives float16 data about 40 binades around a unit
     RMS, and a second moment spans the square of its gradient's range (gradients 2**-12
     below their tensor's RMS put ``nu`` below float16's smallest subnormal, where it is
-    stored as 0). A 0 beside a first moment that is not makes Adam step by ``mu / eps``
-    (a RealNVP flow in FP16: steps of 270 learning rates, NaN at step 39). The fields Optax
-    divides by (``nu``, ``nu_max``, ``sum_of_squares``, Adafactor's ``v_row``/``v_col``/``v``,
-    AdaDelta's ``e_g``) therefore have their stored zeros widened to the storage dtype's
-    smallest subnormal (in units of their scale): ``nu`` is overestimated there and the step
-    is smaller than float32's, while a first moment rounded to 0 gives a step of 0. In the
+    stored as 0). A 0 beside a first moment that is not makes Adam step by ``mu / eps``.
+    The fields Optax divides by (``nu``, ``nu_max``, ``sum_of_squares``, Adafactor's
+    ``v_row``/``v_col``/``v``, AdaDelta's ``e_g``) therefore have their stored zeros widened
+    to the storage dtype's smallest subnormal (in units of their scale): ``nu`` is
+    overestimated there and the step is smaller than float32's, while a first moment rounded to 0 gives a step of 0. In the
     rest of the subnormal range rounding to nearest may lower ``nu`` by up to a third, a
     step up to ``sqrt(1.5)`` times float32's on those entries. Only zeros move, so a signed
     field that shares a divisor's name (SM3's momentum ``nu``, Adan's ``v``) keeps its signs.
 
     Weights narrower than float32 (``compensate=True``, the default): a float16 weight moves
     in steps of its unit in the last place, ``2**-11`` of its size; ``params + updates`` rounds
-    any smaller update away, step after step. Adam at ``3e-5`` on a small MLP, 40 steps: float16
-    weights took 30% of float32's loss decrease; ``optax.contrib.prodigy`` (first rate
-    ``d0 = 1e-6``) never raised its rate and stayed at the initial loss. So the state keeps, per
+    any smaller update away, step after step (a small learning rate, or a rate that starts
+    small as ``optax.contrib.prodigy``'s, then barely trains). So the state keeps, per
     parameter, a residual: the part of the updates the weight has not taken yet (at most half a
     unit in its last place, stored in ``dtype`` at a static scale). Each update adds it and
     returns exactly what the weight can take (``optax.apply_updates`` then lands on the
     correctly rounded sum); the rest is carried. The inner transformation sees the weights with
     their residuals added, in float32 (weight decay, Prodigy's distance from the initial
-    weights). With it both cases follow float32 (within 1% and 0.2%). It costs one ``dtype``
-    array per parameter, requires ``params`` in ``update`` (as ``apply_updates`` is used with
-    it), and changes nothing for float32 weights (their residual stays zero: pass
+    weights). It costs one ``dtype`` array per parameter, requires ``params`` in ``update``
+    (as ``apply_updates`` is used with it), and changes nothing for float32 weights (their residual stays zero: pass
     ``compensate=False`` to drop it and keep the inner state's structure).
 
-    Optimizers whose state must stay float32 (measured on the MLP of ``tests/programs``,
-    60 steps): ``optax.contrib.mechanize`` keeps EMAs with betas up to 0.999999 and a copy of
-    the initial parameters; any of its own fields below float32 and the loss stays at its
-    initial value (``init`` warns and gives the ``field_dtypes`` to use). Matrix statistics
-    that are inverted or raised to a negative power (Shampoo's ``G G^T`` and ``G^T G`` with
-    their inverse fourth roots, a transformation of the user's own): float16 rounds each
-    entry by about ``2**-11`` of the largest, comparable to the smallest eigenvalues, which
-    the inverse root weights most; a hand-written Shampoo on the digits MLP (200 steps) ended
-    11-21% above float32, within 0.1% with those fields in float32
-    (``field_dtypes={"stat_left": jnp.float32, "stat_right": jnp.float32}``, by the names the
-    state uses). No warning: the fields are the user's own.
+    Optimizers whose state must stay float32: ``optax.contrib.mechanize`` keeps EMAs with
+    betas up to 0.999999 and a copy of the initial parameters; any of its own fields below
+    float32 and it does not train (``init`` warns and gives the ``field_dtypes`` to use).
+    Matrix statistics that are inverted or raised to a negative power (Shampoo's ``G G^T``
+    and ``G^T G`` with their inverse fourth roots, a transformation of the user's own):
+    float16 rounds each entry by about ``2**-11`` of the largest, comparable to the smallest
+    eigenvalues, which the inverse root weights most; store them in float32 by the names the
+    state uses (``field_dtypes={"stat_left": jnp.float32, "stat_right": jnp.float32}``). No
+    warning: the fields are the user's own.
 
     Line searches (``optax.lbfgs``, ``scale_by_zoom_linesearch``, ``scale_by_backtracking_linesearch``)
     keep the objective's value as a float32 scalar of the state, as every floating scalar is
     kept. ``optax.value_and_grad_from_state`` chooses between it and a fresh loss in a
     ``lax.cond``, whose branches must have one dtype: compute the loss in float32
     (``.astype(jnp.float32)``), or JAX stops with "cond branches must have equal output
-    types". So written, L-BFGS in FP16 follows FP32 (30 steps of softmax regression on the
-    digits: 0.28577 against 0.28574).
+    types". So written, L-BFGS in FP16 follows FP32.
 
     FP8 and bfloat16: store only first moments below float16 precision
     (``field_dtypes={"mu": jnp.float8_e4m3fn, "trace": jnp.float8_e4m3fn}``). A first moment's
-    EMA (``b1 = 0.9``) moves by 10% a step, about FP8's rounding step: stored in E4M3 it stays
-    within 6% of the float32 EMA (median entry), 11% in E5M2. A second moment's
-    (``b2 = 0.999``) moves by 0.1%, below the rounding step of any format with fewer than 10
-    mantissa bits, so rounded to nearest it stalls: stored in bfloat16 it ends 33% too large,
-    in FP8 85% too small (``python -m experiments.optim_state --ema``), and E4M3 flushes its
-    small entries to zero next to a non-zero ``mu``, where ``mu / (sqrt(0) + eps)`` blows up.
+    EMA (``b1 = 0.9``) moves by 10% a step, about FP8's rounding step, and stays within about
+    10% of the float32 EMA. A second moment's (``b2 = 0.999``) moves by 0.1%, below the rounding
+    step of any format with fewer than 10 mantissa bits, so rounded to nearest it stalls
+    (``python -m experiments.optim_state --ema`` measures both), and E4M3 flushes its small
+    entries to zero next to a non-zero ``mu``, where ``mu / (sqrt(0) + eps)`` blows up.
     ``init`` warns when ``nu`` is stored so.
 
     Args:

@@ -10,7 +10,7 @@ fractions of data elements that are zero, non-finite, subnormal (underflow) or a
 dtype's maximum (overflow).
 
 Recording inside the compiled program (rather than evaluating ``scalify`` eagerly under
-``jax.disable_jit()``, as earlier versions did) matters in two ways: eager evaluation sees
+``jax.disable_jit()``) matters in two ways: eager evaluation sees
 every value as a trace-time constant, and ``scalify`` treats constants differently (it
 splits them exactly into a power-of-two scale), so the scales of an eager run may differ
 from those of the jitted step; and a body traced and then discarded (a loop body retraced

@@ -21,14 +21,14 @@ DTypeLike = Any
 
 _JAX_FUNCTION_OUTSIDE_SCALIFY = (
     "A ScaledArray was passed to a JAX function outside jsa.scalify. Wrap the function with "
-    "@jsa.scalify, or convert it first with x.to_array() / jsa.asarray(tree). Transformations "
+    "@jsa.scalify, or convert it first with jsa.asarray(x) (x a ScaledArray or a pytree). Transformations "
     "go inside scalify: jsa.scalify(jax.grad(f)), jsa.scalify(jax.vmap(f)), not "
     "jax.grad(f) or jax.vmap(f) applied to ScaledArrays (they would see data and scale as "
     "two unrelated arrays)."
 )
 _NOT_OUTSIDE_SCALIFY = (
     "ScaledArray does not support {what} outside jsa.scalify. Wrap the function that uses it "
-    "with @jsa.scalify, or convert it first with x.to_array() / jsa.asarray(tree)."
+    "with @jsa.scalify, or convert it first with jsa.asarray(x) (x a ScaledArray or a pytree)."
 )
 
 
@@ -381,7 +381,7 @@ class ScaledArray:
             name = dtype if jnp.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)
             raise TypeError(
                 f"Cannot cast a ScaledArray to the non-floating dtype {name}: its scale "
-                "would be lost. Call x.to_array(dtype) for a plain array of that dtype."
+                "would be lost. Call jsa.asarray(x, dtype) for a plain array of that dtype."
             )
         return ScaledArray(self.data.astype(dtype), self.scale, any_scale=self.any_scale)
 
@@ -399,7 +399,7 @@ class ScaledArray:
             kind = "traced" if not is_concrete(self.data) else f"of shape {self.shape}"
             raise TypeError(
                 f"{what} needs a concrete {'0-d ' if scalar else ''}ScaledArray, got one {kind}. Convert "
-                "with x.to_array() (inside jax.jit, return it or use jax.debug.print)."
+                "with jsa.asarray(x) (inside jax.jit, return it or use jax.debug.print)."
             )
         return np.asarray(self.to_array())
 
@@ -497,7 +497,7 @@ def check_scalify_inputs(leaves: list, tree: Any = None, nested: bool = False) -
             raise ValueError(
                 f"jsa.scalify: the ScaledArray at {_leaf_name(tree, i)} has a scale of shape "
                 f"{np.shape(x.scale)}; the scale rules need a scalar scale per array. Convert it with "
-                "jsa.as_scaled_array(x.to_array(jnp.float32)) (one power-of-two scale for the array), "
+                "jsa.as_scaled_array(jsa.asarray(x, jnp.float32)) (one power-of-two scale for the array), "
                 "or keep per-channel scales outside scalify and multiply them in as plain arrays."
             )
     if is_evaluating_rules():  # an inner scalify evaluated by the interpreter: internal values

@@ -541,7 +541,7 @@ def _promote_if_floating(x, backward: bool = False):
         # A plain array entering the scaled backward pass derives from the loss's cotangent
         # (jax.grad's seed times the loss's constants and plain inputs such as one-hot
         # labels): its data is not unit-sized, so its statistic goes into the scale.
-        return rescale_policy.rescale(promoted)
+        return rescale_policy.rescale_by_policy(promoted)
     return promoted
 
 

@@ -43,8 +43,7 @@ from .pow2 import (
     scales_are_pow2,
 )
 from .promotion import any_scale_array, is_any_scale
-from .sites import mark_rescaled, rescale_into_narrow, rescales_in_backward_pass
-from .sites import rescale as rescale_by_policy
+from .sites import mark_rescaled, rescale_by_policy, rescale_into_narrow, rescales_in_backward_pass
 
 Array = Any
 ScaleMap = Callable[[Array], Array]
@@ -193,7 +192,7 @@ def sqrt_size_pow2(size: int) -> np.ndarray:
     return round_scale(np.sqrt(np.float64(max(size, 1))))
 
 
-def rescale(x: ScaledArray, new_scale: Array) -> ScaledArray:
+def at_scale(x: ScaledArray, new_scale: Array) -> ScaledArray:
     """The same value as ``x`` with scale ``new_scale``: ``data * (scale / new_scale)``.
 
     An any-scale operand (0 or ±inf) keeps its data and just takes the new scale. The 16- or
@@ -344,7 +343,7 @@ def largest_scale(operands: Sequence[ScaledArray]) -> Array:
     from constants only, such as ``where(mask, 0, -1e9)`` under a traced mask) raises the
     common scale at most :func:`known_scale_reach` above the largest run-time scale: beyond
     that the run-time operands' data, unit-sized, would leave the dtype's normal range, and
-    the known values saturate instead (:func:`rescale`).
+    the known values saturate instead (:func:`at_scale`).
     """
     fit_constants = not all(_is_trace_time_constant(x) for x in operands if not is_any_scale(x))
     scales = []
@@ -393,7 +392,7 @@ def known_scale_reach(dtype: Any) -> np.ndarray:
 def align_to_largest(operands: Sequence[ScaledArray]) -> tuple[list[ScaledArray], Array]:
     """Rescale every operand to the largest scale; returns the rescaled operands and that scale."""
     scale = largest_scale(operands)
-    return [rescale(x, scale) for x in operands], scale
+    return [at_scale(x, scale) for x in operands], scale
 
 
 def to_float32_value(x: ScaledArray) -> Array:
@@ -606,7 +605,7 @@ def with_scalar_scale(x: ScaledArray) -> ScaledArray:
     if np.size(x.scale) == 1:
         return ScaledArray.unchecked(x.data, x.scale.reshape(()), any_scale=x.any_scale)
     new_scale = np.max(x.scale) if is_numpy(x.scale) else jnp.max(x.scale)
-    return rescale(x, new_scale)
+    return at_scale(x, new_scale)
 
 
 def bind_keep_scale(prim: Primitive, x: ScaledArray, *others: Array, **params) -> ScaledArray:
@@ -658,7 +657,7 @@ __all__ = [
     "numpy_api",
     "on_value",
     "rebalance_stacked",
-    "rescale",
+    "at_scale",
     "round_scale",
     "scale_bounds",
     "scale_capped_at_one",

@@ -175,7 +175,7 @@ def rescaled_from_data(x: Any) -> bool:
     return isinstance(x, ScaledArray) and x.rescaled and not x.pinned
 
 
-def rescale(x: Any, policy: ScalePolicy | None = None) -> Any:
+def rescale_by_policy(x: Any, policy: ScalePolicy | None = None) -> Any:
     """``x`` rescaled with the policy's statistic (:func:`~jax_scalify.core.measure.rescale_scaled_array`).
 
     Values that are not rescalable are returned as they are.
@@ -213,7 +213,7 @@ def rescales_cast(x: Any, dtype: Any) -> bool:
 
 
 def rescale_operand(x: Any) -> Any:
-    """:func:`rescale` of an operand of the equation being evaluated; later equations read the result.
+    """:func:`rescale_by_policy` of an operand of the equation being evaluated; later equations read the result.
 
     A rescale changes the representation, not the value, so once a rule has rescaled an
     operand the interpreter binds the operand's variable to the rescaled array for the
@@ -222,7 +222,7 @@ def rescale_operand(x: Any) -> Any:
     differentiate it, instead of the drifted data multiplied once more. For rules that
     trace no sub-computation (the result must belong to the trace of the operand).
     """
-    out = rescale(x)
+    out = rescale_by_policy(x)
     if out is not x and _state.operand_rescales:
         _state.operand_rescales[-1][id(x)] = (x, out)
     return out
@@ -273,7 +273,7 @@ def is_self_product(a: Any, b: Any) -> bool:
 
 def rescale_self_product(product: Any, a: Any, b: Any) -> Any:
     """``product = a * b`` rescaled if ``a`` and ``b`` share one scale object and the policy says so."""
-    return rescale(product) if is_self_product(a, b) else product
+    return rescale_by_policy(product) if is_self_product(a, b) else product
 
 
 def rescale_contraction(out: Any) -> Any:
@@ -283,7 +283,7 @@ def rescale_contraction(out: Any) -> Any:
     """
     if not active_policy().contractions or in_backward_pass() or not is_rescalable(out) or is_numpy(out.data):
         return out
-    return rescale(out)
+    return rescale_by_policy(out)
 
 
 def rescale_self_product_operands(a: Any, b: Any) -> tuple[Any, Any]:
@@ -400,7 +400,7 @@ def rescale_residual(x: Any) -> Any:
     """
     if not (is_rescalable(x) and narrow_range(x.dtype)) or is_numpy(x.scale) or was_rescaled(x):
         return x
-    return rescale(x)
+    return rescale_by_policy(x)
 
 
 __all__ = [
@@ -418,7 +418,7 @@ __all__ = [
     "mark_sparse",
     "narrows_plain_backward_data",
     "recording_operand_rescales",
-    "rescale",
+    "rescale_by_policy",
     "rescale_all",
     "rescale_contraction",
     "rescale_into_narrow",

@@ -1,11 +1,13 @@
-"""Scale rules of the LAX primitives, and the scaling primitives.
+"""The scaling primitives, and the scale rules of the LAX primitives.
 
-Importing this package registers every rule. Rules are grouped by family, one module each;
-this namespace holds every module's ``__all__`` (the scaling primitives ``set_scaling``,
-``get_data_scale``, ``stop_scaling``, ``rebalance``, and each rule as ``scaled_<primitive>``).
-The scale arithmetic the rules share is in :mod:`jax_scalify.core.scaling`, the evaluation of sub-jaxprs
-and the fixed point of which of their outputs are scaled in :mod:`.subjaxpr` (both exported
-for rule authors by :mod:`jax_scalify.extend`, not here).
+The user API is the four scaling primitives: ``set_scaling``, ``get_data_scale``,
+``stop_scaling`` and ``rebalance``. Importing this package registers every rule; the rules
+are grouped by family, one module each (``rules_arithmetic``, ``rules_unary`` ...), each rule
+``scaled_<primitive>`` in its module's ``__all__``. jax-scalify 0.1's names of this namespace
+(its rule functions ``scaled_add`` ..., ``set_scaling_p`` ...) stay importable from here,
+listed in :mod:`jax_scalify.compat`. The scale arithmetic the rules share is in
+:mod:`jax_scalify.core.scaling`, the evaluation of sub-jaxprs in :mod:`.subjaxpr`: rule authors get
+both from :mod:`jax_scalify.extend`.
 """
 
 from . import (
@@ -26,41 +28,6 @@ from . import (
     rules_special,
     rules_unary,
 )
-from .control_flow import *  # noqa: F401,F403
-from .primitives import *  # noqa: F401,F403
-from .rules_arithmetic import *  # noqa: F401,F403
-from .rules_callbacks import *  # noqa: F401,F403
-from .rules_calls import *  # noqa: F401,F403
-from .rules_collectives import *  # noqa: F401,F403
-from .rules_complex import *  # noqa: F401,F403
-from .rules_indexing import *  # noqa: F401,F403
-from .rules_layout import *  # noqa: F401,F403
-from .rules_linalg import *  # noqa: F401,F403
-from .rules_linalg_solvers import *  # noqa: F401,F403
-from .rules_misc import *  # noqa: F401,F403
-from .rules_reduce import *  # noqa: F401,F403
-from .rules_sharding import *  # noqa: F401,F403
-from .rules_special import *  # noqa: F401,F403
-from .rules_unary import *  # noqa: F401,F403
+from .primitives import get_data_scale, rebalance, set_scaling, stop_scaling
 
-_MODULES = (
-    primitives,
-    rules_arithmetic,
-    rules_unary,
-    rules_layout,
-    rules_indexing,
-    rules_reduce,
-    rules_linalg,
-    rules_linalg_solvers,
-    rules_complex,
-    rules_special,
-    rules_misc,
-    rules_calls,
-    control_flow,
-    rules_callbacks,
-    rules_sharding,
-    rules_collectives,
-)
-"""The modules whose ``__all__`` make up this namespace."""
-
-__all__ = [name for module in _MODULES for name in module.__all__]
+__all__ = ["get_data_scale", "rebalance", "set_scaling", "stop_scaling"]

@@ -109,9 +109,6 @@ def get_data_scale(x: Array) -> tuple[Array, Array]:
     return tuple(get_data_scale_p.bind(x, scale_dtype=np.dtype(get_scalify_config().scale_dtype)))
 
 
-get_data_and_scale = get_data_scale
-
-
 def _get_data_scale_impl(x, *, scale_dtype):
     return x, jnp.ones((), scale_dtype)
 
@@ -210,7 +207,6 @@ def scaled_rebalance(x: ScaledArray, factor: Array) -> ScaledArray:
 
 
 __all__ = [
-    "get_data_and_scale",
     "get_data_scale",
     "get_data_scale_p",
     "rebalance",

@@ -35,13 +35,13 @@ from ..core.pow2 import pow2_round_positive_or_one
 from ..core.registry import Site, register_scaled_lax_op, register_scaled_op
 from ..core.scaling import (
     as_scale,
+    at_scale,
     constant_raises_scale,
     is_any_scale,
     is_numpy,
     largest_scale,
     mul_data,
     narrow_range,
-    rescale,
     rescaled_and_narrowed,
     round_scale,
     saturated_cast,
@@ -138,7 +138,7 @@ def _scaled_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, params: dict) -
     scale = _sum_scale(a, b)
     if _is_backward_sum_to_rescale(a, b):
         return _backward_sum_in_float32(prim, a, b, scale, params)
-    return ScaledArray(_bind(prim, rescale(a, scale), rescale(b, scale), **params), scale)
+    return ScaledArray(_bind(prim, at_scale(a, scale), at_scale(b, scale), **params), scale)
 
 
 def _is_backward_sum_to_rescale(a: ScaledArray, b: ScaledArray) -> bool:
@@ -178,7 +178,7 @@ def _backward_sum_in_float32(prim: Primitive, a: ScaledArray, b: ScaledArray, sc
     smaller = scale_min(select(sa > 0, sa, sb), select(sb > 0, sb, sa))
     work_scale = scale_max(smaller, scale * np.float32(2.0**-50))
     wide = [ScaledArray(widen(x.data), x.scale) for x in (a, b)]
-    total = ScaledArray(_bind(prim, *(rescale(x, work_scale).data for x in wide), **params), work_scale)
+    total = ScaledArray(_bind(prim, *(at_scale(x, work_scale).data for x in wide), **params), work_scale)
     return rescaled_and_narrowed(total, a.dtype)
 
 
@@ -254,7 +254,7 @@ def _bound_rescaled(x: ScaledArray, scale: Array, bound: int) -> ScaledArray:
     the tensor's, a tensor's data move by less than an ulp either way.
     """
     if not bound or is_any_scale(x) or not (is_numpy(x.scale) and narrow_range(x.dtype)):
-        return rescale(x, scale)
+        return at_scale(x, scale)
     scale = as_scale(scale)
     if is_numpy(scale) and np.array_equal(x.scale, scale):
         return ScaledArray(x.data, scale)
@@ -368,8 +368,8 @@ def scaled_nextafter(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """
     scale = as_scale(a.scale)
     scale = zero_to_one(scale)  # a asserted zero: 0 / 0 would poison b
-    a = rescale(a, scale)
-    return ScaledArray(_bind(P.nextafter_p, a, rescale(b, scale), **params), scale)
+    a = at_scale(a, scale)
+    return ScaledArray(_bind(P.nextafter_p, a, at_scale(b, scale), **params), scale)
 
 
 # --- selections and comparisons --------------------------------------------------------------

@@ -30,10 +30,10 @@ from ..core.registry import primitive_of, register_scaled_lax_op, register_scale
 from ..core.scaling import (
     align_to_largest,
     as_scale,
+    at_scale,
     bind_aligned,
     bind_keep_scale,
     mul_data,
-    rescale,
     rescaled_and_narrowed,
     value_order_data,
     widen,
@@ -94,7 +94,7 @@ def scaled_gather(operand: ScaledArray, indices: Array, *, mode: Any, fill_value
     operand = with_scalar_scale(operand)
     scale = as_scale(operand.scale)
     scale = zero_to_one(scale)  # an asserted zero cannot hold the fill
-    data = P.gather_p.bind(rescale(operand, scale).data, indices, mode=mode, fill_value=0, **params)
+    data = P.gather_p.bind(at_scale(operand, scale).data, indices, mode=mode, fill_value=0, **params)
     inside = P.gather_p.bind(jnp.ones_like(operand.data), indices, mode=mode, fill_value=0, **params)
     fill = mul_data(jnp.asarray(fill_value, operand.dtype), 1 / scale)
     return ScaledArray(jnp.where(inside != 0, data, fill), scale)
@@ -156,7 +156,7 @@ def scaled_scatter_mul(operand: ScaledArray, indices: Array, updates: ScaledArra
     Multiplicative updates (masks, factors) are usually near 1, so their values fit the data.
     """
     operand = with_scalar_scale(operand)
-    factors = rescale(with_scalar_scale(updates), 1)
+    factors = at_scale(with_scalar_scale(updates), 1)
     return ScaledArray(P.scatter_mul_p.bind(operand.data, indices, factors.data, **params), operand.scale)
 
 

@@ -29,13 +29,13 @@ from ..core.array import ScaledArray
 from ..core.registry import primitive_of, register_scaled_lax_op, register_scaled_op
 from ..core.scaling import (
     as_scale,
+    at_scale,
     bind_aligned,
     bind_keep_scale,
     is_any_scale,
     is_numpy,
     largest_scale,
     numpy_api,
-    rescale,
     with_scalar_scale,
     zero_to_one,
 )
@@ -144,7 +144,7 @@ def scaled_pad(operand: ScaledArray, padding_value: ScaledArray, **params) -> Sc
     """Operand and padding value aligned to the largest scale; a 0 or ±inf padding value adopts the operand's."""
     operand, padding_value = with_scalar_scale(operand), with_scalar_scale(padding_value)
     scale = _scale_with_scalar_fill(operand, padding_value)
-    data = P.pad_p.bind(rescale(operand, scale).data, rescale(padding_value, scale).data, **params)
+    data = P.pad_p.bind(at_scale(operand, scale).data, at_scale(padding_value, scale).data, **params)
     return ScaledArray(data, scale)
 
 

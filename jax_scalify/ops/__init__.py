@@ -10,7 +10,29 @@ from .debug import *  # noqa: F401,F403
 from .delayed import *  # noqa: F401,F403
 from .rescaling import *  # noqa: F401,F403
 
-_MODULES = (rescaling, delayed, cast, debug)
-"""The modules whose ``__all__`` make up this namespace."""
-
-__all__ = [name for module in _MODULES for name in module.__all__]
+__all__ = [
+    # rescaling
+    "dynamic_rescale",
+    "dynamic_rescale_grad",
+    "dynamic_rescale_l1",
+    "dynamic_rescale_l1_grad",
+    "dynamic_rescale_l2",
+    "dynamic_rescale_l2_grad",
+    "dynamic_rescale_max",
+    "dynamic_rescale_max_grad",
+    # delayed rescaling
+    "DelayedRescaleState",
+    "delayed_rescale",
+    "init_delayed_rescale_state",
+    # casts
+    "cast_on_backward",
+    "cast_on_forward",
+    "reduce_precision_on_backward",
+    "reduce_precision_on_forward",
+    # debugging
+    "debug_callback",
+    "debug_callback_grad",
+    "debug_print",
+    "debug_print_grad",
+]
+"""The user API; the primitive ``dynamic_rescale_p`` and its rule are in :mod:`.rescaling`, for rule authors."""

@@ -6,10 +6,10 @@ from jax.extend.core import Primitive, primitives
 from jax.interpreters import mlir
 
 import jax_scalify as jsa
+from jax_scalify.core import find_registered_scaled_op  # 0.1's lookup (jax_scalify.compat)
 from jax_scalify.extend import (
     RegisteredRule,
     ScaledPrimitiveType,
-    find_registered_scaled_op,
     register_scaled_lax_op,
     register_scaled_op,
     registered_rule,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jax_scalify as jsa
-from jax_scalify.lax import get_data_and_scale, get_data_scale, rebalance, set_scaling, stop_scaling
+from jax_scalify.lax import get_data_scale, rebalance, set_scaling, stop_scaling
 from tests.invariance import STATIC_POLICY, Case
 
 X = np.array([1.0, -2.0, 3.0], np.float32)
@@ -65,7 +65,7 @@ def test_set_scaling_zero_scale_asserts_zero():
 
 def test_get_data_scale_under_scalify():
     x = jsa.as_scaled_array(X, scale=np.float32(8.0))
-    data, scale = jsa.scalify(get_data_and_scale)(x)
+    data, scale = jsa.scalify(get_data_scale)(x)
     np.testing.assert_array_equal(data, X / 8)
     assert float(scale) == 8.0
     data, scale = jsa.scalify(get_data_scale)(jnp.asarray(X))

@@ -316,7 +316,7 @@ def test_vmap_inside_scalify():
 
 
 def test_rules_are_exported():
-    assert jsa.lax.scaled_add is rules_arithmetic.scaled_add
+    assert "scaled_add" in rules_arithmetic.__all__
     rules = jsa.extend.registered_rules()
     summaries = {prim.name: entry.summary for prim, entry in rules.items()}
     for name in ("add", "add_any", "mul", "select_n", "eq", "convert_element_type", "stop_gradient", "copy"):

@@ -337,7 +337,7 @@ def test_neg_of_constant_is_recognised():
 
 
 def test_unary_rules_are_exported_with_summaries():
-    assert jsa.lax.scaled_tanh is rules_unary.scaled_tanh
+    assert "scaled_tanh" in rules_unary.__all__
     assert rules_unary.scaled_tanh.__name__ == "scaled_tanh"
     summaries = {prim.name: entry.summary for prim, entry in jsa.extend.registered_rules().items()}
     for name in ("neg", "sqrt", "cbrt", "log", "exp", "tanh", "floor", "sign", "is_finite", "integer_pow"):

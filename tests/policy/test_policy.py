@@ -545,8 +545,8 @@ def test_products_of_projections_with_correlated_terms_do_not_overflow_float16()
 
 def test_contractions_of_the_backward_pass_and_of_constants_stay_static(monkeypatch):
     calls = []
-    real = sites.rescale
-    monkeypatch.setattr(sites, "rescale", lambda x, *a: calls.append(x.shape) or real(x, *a))
+    real = sites.rescale_by_policy
+    monkeypatch.setattr(sites, "rescale_by_policy", lambda x, *a: calls.append(x.shape) or real(x, *a))
     only_contractions = jsa.RescalePolicy(
         gradients=False, loop_carries=False, outputs=False, self_products=False, fp8_casts=False
     )

@@ -1,12 +1,17 @@
-"""Names of ``jax_scalify.core`` in jax-scalify 0.1, kept importable with their meaning.
+"""jax-scalify 0.1's names kept only so that code written for 0.1 runs unchanged: the one list of them.
 
-They serve code and tests written for the 0.1 release (``from jax_scalify.core import Array,
-make_scaled_scalar, is_static_zero, ...``). New code has better tools for most of them: see
-``docs/migration.md`` for each difference of behaviour and the reason for it.
+``NAMES_0_1`` maps each namespace of 0.1 to the names it keeps for 0.1 alone; the namespace
+holds them as attributes set from here (``from jax_scalify.core import make_scaled_scalar``,
+``jsa.lax.scaled_add`` ...), but they are not in its ``__all__``. New code uses the current
+API instead: the package's names, ``jsa.ops.debug_callback``, the scaling primitives in
+``jsa.lax``, the registry in ``jax_scalify.extend``; 0.1's rule functions
+(``jsa.lax.scaled_add`` ...) are in their modules (``jax_scalify.lax.rules_arithmetic`` ...).
+See ``docs/migration.md`` for each difference of behaviour and the reason for it.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,8 +19,71 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .array import ScaledArray
-from .pow2 import Pow2RoundMode, is_numpy, pow2_decompose
+from .core import (
+    Pow2RoundMode,
+    ScaledArray,
+    ScalifyConfig,
+    as_scaled_array,
+    asarray,
+    is_scaled_leaf,
+    scaled_array,
+    scalify,
+)
+from .core.pow2 import is_numpy, pow2_decompose
+from .core.registry import ScaledPrimitiveType, find_registered_scaled_op, register_scaled_lax_op, register_scaled_op
+from .lax.primitives import get_data_scale_p, set_scaling_p, stop_scaling_p
+from .lax.rules_arithmetic import (
+    scaled_add,
+    scaled_convert_element_type,
+    scaled_div,
+    scaled_eq,
+    scaled_ge,
+    scaled_gt,
+    scaled_le,
+    scaled_lt,
+    scaled_max,
+    scaled_min,
+    scaled_mul,
+    scaled_ne,
+    scaled_reduce_precision,
+    scaled_select_n,
+    scaled_stop_gradient,
+    scaled_sub,
+)
+from .lax.rules_layout import (
+    scaled_broadcast_in_dim,
+    scaled_concatenate,
+    scaled_pad,
+    scaled_reshape,
+    scaled_rev,
+    scaled_slice,
+    scaled_transpose,
+)
+from .lax.rules_linalg import scaled_conv_general_dilated, scaled_dot_general
+from .lax.rules_reduce import (
+    scaled_argmax,
+    scaled_argmin,
+    scaled_reduce_max,
+    scaled_reduce_min,
+    scaled_reduce_prod,
+    scaled_reduce_sum,
+    scaled_reduce_window_max,
+    scaled_reduce_window_min,
+    scaled_reduce_window_sum,
+)
+from .lax.rules_unary import (
+    scaled_abs,
+    scaled_cos,
+    scaled_exp,
+    scaled_integer_pow,
+    scaled_is_finite,
+    scaled_log,
+    scaled_neg,
+    scaled_sign,
+    scaled_sin,
+    scaled_sqrt,
+)
+from .ops import debug_callback
 
 Array = jax.Array
 """A JAX array (in 0.1 an alias of ``jax.Array`` too)."""
@@ -130,7 +198,8 @@ def safe_reciprocal(x: Any) -> Any:
     return safe_div(one, x)
 
 
-__all__ = [
+_CORE_0_1 = (
+    # 0.1's types and helpers, defined here
     "Array",
     "ArrayTypes",
     "DTypeLike",
@@ -144,4 +213,96 @@ __all__ = [
     "make_scaled_scalar",
     "safe_div",
     "safe_reciprocal",
-]
+    # the package's names, which 0.1 also had in core
+    "Pow2RoundMode",
+    "ScaledArray",
+    "ScalifyConfig",
+    "as_scaled_array",
+    "asarray",
+    "is_scaled_leaf",
+    "scaled_array",
+    "scalify",
+    # the registry, for rule authors in jax_scalify.extend now; debug_callback is in jsa.ops
+    "ScaledPrimitiveType",
+    "find_registered_scaled_op",
+    "register_scaled_lax_op",
+    "register_scaled_op",
+    "debug_callback",
+)
+
+_LAX_0_1 = (
+    # the scaling primitives' JAX primitives
+    "get_data_scale_p",
+    "set_scaling_p",
+    "stop_scaling_p",
+    # 0.1's rule functions (every rule is in its module: jax_scalify.lax.rules_arithmetic ...)
+    "scaled_abs",
+    "scaled_add",
+    "scaled_argmax",
+    "scaled_argmin",
+    "scaled_broadcast_in_dim",
+    "scaled_concatenate",
+    "scaled_conv_general_dilated",
+    "scaled_convert_element_type",
+    "scaled_cos",
+    "scaled_div",
+    "scaled_dot_general",
+    "scaled_eq",
+    "scaled_exp",
+    "scaled_ge",
+    "scaled_gt",
+    "scaled_integer_pow",
+    "scaled_is_finite",
+    "scaled_le",
+    "scaled_log",
+    "scaled_lt",
+    "scaled_max",
+    "scaled_min",
+    "scaled_mul",
+    "scaled_ne",
+    "scaled_neg",
+    "scaled_pad",
+    "scaled_reduce_max",
+    "scaled_reduce_min",
+    "scaled_reduce_precision",
+    "scaled_reduce_prod",
+    "scaled_reduce_sum",
+    "scaled_reduce_window_max",
+    "scaled_reduce_window_min",
+    "scaled_reduce_window_sum",
+    "scaled_reshape",
+    "scaled_rev",
+    "scaled_select_n",
+    "scaled_sign",
+    "scaled_sin",
+    "scaled_slice",
+    "scaled_sqrt",
+    "scaled_stop_gradient",
+    "scaled_sub",
+    "scaled_transpose",
+)
+
+NAMES_0_1: dict[str, tuple[str, ...]] = {
+    "jax_scalify": ("debug_callback",),
+    "jax_scalify.core": _CORE_0_1,
+    "jax_scalify.lax": _LAX_0_1,
+}
+"""Each 0.1 namespace and the names it keeps for 0.1 only (its current API is its ``__all__``)."""
+
+
+def _install() -> None:
+    """Each 0.1 name set as an attribute of its namespace (not in its ``__all__``).
+
+    This module is the package's last import and sets the names from above, so that no
+    layer below imports it.
+    """
+    for namespace, names in NAMES_0_1.items():
+        module = sys.modules[namespace]
+        for name in names:
+            setattr(module, name, globals()[name])
+
+
+_install()
+
+
+__all__ = sorted({name for names in NAMES_0_1.values() for name in names})
