@@ -89,8 +89,8 @@ def test_imports_go_downwards_only(path):
     upward = [
         f"line {line}: {module}"
         for line, module in _imported_modules(path)
-        if _unit(module) in LAYERS
-        and _unit(module) != unit
-        and LAYERS[_unit(module)] >= LAYERS[unit]
+        if _unit(module) in LAYERS and _unit(module) != unit and LAYERS[_unit(module)] >= LAYERS[unit]
     ]
-    assert not upward, f"{path.relative_to(PACKAGE)} (layer {unit or 'package'}) imports at or above its layer: {upward}"
+    assert not upward, (
+        f"{path.relative_to(PACKAGE)} (layer {unit or 'package'}) imports at or above its layer: {upward}"
+    )

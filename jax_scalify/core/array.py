@@ -771,8 +771,8 @@ def _is_device_floating_array(x: Any) -> bool:
 def _unit_rms_splits(scale_dtype, *xs: Array) -> list[tuple[Array, Array]]:
     """:func:`_unit_rms_split` of every concrete JAX array of a tree, in one compiled program.
 
-    Computed op by op, each array's operations were compiled per shape: 87 compilations and
-    3.3 s for a tree of 13 arrays of distinct shapes, against one and 1.5 s together.
+    One compilation for the whole tree: computed op by op, each array's operations would be
+    compiled again for every distinct shape.
     """
     return [_unit_rms_split(x, jnp, scale_dtype) for x in xs]
 

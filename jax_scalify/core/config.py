@@ -52,9 +52,9 @@ class ScalifyConfig:
             (``mul``, ``div``, ``dot_general``, ``conv``, sums' ``sqrt(K)`` factors,
             ``integer_pow``) within the scale dtype's normal range, moving the excess into
             the data, as is always done for trace-time scales. Off by default: it costs five
-            scalar operations and one data multiply per product, which raised the compile
-            time of the benchmark steps by 40-85% (see ``docs/benchmarks.md``). Turn it on
-            for programs whose scales approach ``2**±127``.
+            scalar operations and one data multiply per product, a large addition to compile
+            time (see ``docs/benchmarks.md``). Turn it on for programs whose scales approach
+            ``2**±127``.
 
     Use as a context manager to change the settings for the code traced inside it.
     """

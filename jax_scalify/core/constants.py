@@ -200,7 +200,7 @@ def recover(narrow: ClosedJaxpr, trace_widened: Callable[[], ClosedJaxpr]) -> Ex
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             wide = trace_widened()
-    except Exception:  # the function does not trace on float32 inputs: keep today's behaviour
+    except Exception:  # the function does not trace on float32 inputs: the data trace is used as it is
         return found
     _pair_jaxprs(narrow.jaxpr, narrow.consts, wide.jaxpr, wide.consts, found)
     return found

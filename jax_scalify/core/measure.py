@@ -136,8 +136,7 @@ def narrowed_within_range(x: ScaledArray, dtype: Any, lift: bool = False) -> Sca
         small = jnp.isfinite(peak) & (peak > 0) & (peak < np.float32(2.0**-8))
         lifted = jnp.maximum(pow2_round_down(peak), (scale_bounds()[0] / scale).astype(np.float32))
         factor = jnp.where(small, lifted, factor)
-    # Divided, not multiplied by ``1 / factor``: the same exact result, and on XLA:CPU the
-    # float16 GPT step of benchmarks/overhead.py runs in 160 ms this way, 245 ms the other.
+    # Divided, not multiplied by ``1 / factor``: the same exact result, and faster on XLA:CPU.
     return ScaledArray((x.data / factor.astype(x.data.dtype)).astype(dtype), scale * factor.astype(scale.dtype))
 
 
@@ -258,7 +257,7 @@ def strided_sample(data: Array, max_size: int | None) -> Array:
     elements. At most 32 entries per axis keep that reduction one loop on XLA:CPU, which
     compiles a reduction with a longer axis as a tree of kernels that materialise what they
     read (the tensor itself, when it has other consumers): a rescaled tensor then costs one
-    kernel instead of four or five (``benchmarks/xla_cpu_costs.py``).
+    kernel instead of several (``benchmarks/xla_cpu_costs.py``).
     """
     if max_size is None:
         return data
@@ -415,8 +414,8 @@ def rescale_scaled_arrays(
     The policy's own case (sampled RMS, float32 scales, rounding up or down) rounds each
     statistic to a power of two in the kernel of its reduction (:func:`_pow2_rms`) and moves
     it into the scale in a dozen scalar operations (:func:`_moved_by`), which XLA copies into
-    every kernel that reads the new scale: 12-18% fewer compiled HLO instructions on the
-    steps of ``benchmarks/overhead.py`` than rounding after the reduction.
+    every kernel that reads the new scale: fewer compiled instructions than rounding after
+    the reduction.
     """
     if not xs:
         return []
@@ -454,12 +453,10 @@ def _joined(stats: list[Array]) -> list[Array]:
 
     Each factor is computed on its tensor's scalars, which XLA fuses into the kernels
     applying the factor. Left at that, on sharded data each statistic's all-reduce would
-    run on its own schedule instead of being combined with the batch's (the FSDP step of
-    ``tests/lax/test_sharding.py``: 8 and 12 all-reduces for 2 and 4 layers instead of 5
-    and 4). Adding ``0 * (number of NaN statistics)``, exactly zero, keeps each factor
-    waiting for the whole batch. On one device it costs a few percent of compile time and
-    saves as much run time (the float16 MLP step of ``benchmarks/overhead.py``: runtime
-    ratio 1.05 with it, 1.10 without, three alternating runs each).
+    run on its own schedule instead of being combined with the batch's. Adding
+    ``0 * (number of NaN statistics)``, exactly zero, keeps each factor waiting for the whole
+    batch, so XLA combines the batch's all-reduces. On one device it costs a little compile
+    time and saves about as much run time.
     """
     if len(stats) < 2:
         return stats
@@ -536,14 +533,13 @@ def _relative_peak(x: ScaledArray) -> Array | None:
     """For sparse float16/FP8 data: the largest magnitude of the whole tensor over the largest the rescaled data may reach.
 
     A sample can miss the few entries that carry a tensor (the rows of an embedding table
-    that a batch touched: a 4096-row float16 gradient with two non-zero rows, one in the
-    sample, was moved to the sampled row's size and the other row became inf). For data
-    produced by a scatter into zeros (:func:`jax_scalify.core.sites.mark_sparse`), rescaled
-    narrow data keep their largest entry at most half the dtype's largest power of two
-    (``2**14`` for float16), at the cost of one reduction of the tensor. Dense data (every
-    other value; guarding all of them cost the float16 MLP of ``benchmarks/overhead.py`` 40%
-    of its run time on XLA:CPU) and wide data (float32, bfloat16: the range to hold any
-    sampling miss) give ``None``.
+    that a batch touched): moved to the size of the sampled entries, the others overflow.
+    For data produced by a scatter into zeros (:func:`jax_scalify.core.sites.mark_sparse`),
+    rescaled narrow data keep their largest entry at most half the dtype's largest power of
+    two (``2**14`` for float16), at the cost of one reduction of the tensor. Dense data
+    (every other value, where that reduction per rescale would be a large share of a step's
+    run time) and wide data (float32, bfloat16: the range to hold any sampling miss) give
+    ``None``.
     """
     if not (x.sparse and narrow_range(x.dtype)) or np.size(x.data) == 0:
         return None
@@ -555,10 +551,9 @@ def _sparse_floor(x: ScaledArray, sample: Array) -> Array | None:
 
     Such a value is sparse (a parameter that starts at zero and that only lookups update: a
     recommender's per-row bias), and its sample, holding the smallest of its few non-zero
-    rows, would move the others past the dtype's range (a matrix factorisation with Adagrad
-    in float16 was NaN from step 5). Used for the values ``scalify`` returns: a gradient
-    needs its upward moves, and the gradient of a lookup has its own guard
-    (:func:`_relative_peak`). ``None`` for wide data.
+    rows, would move the others past the dtype's range. Used for the values ``scalify``
+    returns: a gradient needs its upward moves, and the gradient of a lookup has its own
+    guard (:func:`_relative_peak`). ``None`` for wide data.
     """
     if not narrow_range(x.dtype) or np.size(sample) == 0:
         return None
@@ -630,12 +625,11 @@ def rescaled_into_narrow(x: ScaledArray, dtype: Any, norm: Norm, sample_size: in
     :func:`jax_scalify.core.scaling.rescaled_and_narrowed`). Their largest entry must be
     bounded anyway, which reads the whole tensor; the mean square of all of it is a second
     reduction of the same data and, unlike a sample, cannot miss the few entries that carry
-    the tensor (the input gradient of a GELU layer where one unit had grown: the sample's RMS
-    was ``2**7`` below the tensor's, and the float16 products after the sum overflowed). On
-    XLA:CPU the two reductions are two kernels (the float16 GPT step of
-    ``benchmarks/overhead.py`` ran about 5% longer than with the sampled RMS). The largest
-    entry is kept at most half the dtype's largest power of two. Other statistics and
-    roundings take the sampled rescale of the policy, then the bound.
+    the tensor (a sampled RMS far below the tensor's leaves narrow data that the products
+    after the sum overflow). On XLA:CPU the two reductions are two kernels, a little slower
+    than the sampled RMS. The largest entry is kept at most half the dtype's largest power
+    of two. Other statistics and roundings take the sampled rescale of the policy, then the
+    bound.
     """
     mode = get_scalify_config().rounding_mode
     if not (_pow2_rms_applies([x], norm, None, mode, np.float32) and np.size(x.data) > 0):

@@ -121,8 +121,8 @@ def scaled_product(data: Array, a: Array, b: Array, *, divide: bool = False) -> 
     and the value becomes inf or nan. Trace-time (NumPy) scales are always guarded, at no
     run-time cost. Traced scales are guarded only with
     ``ScalifyConfig(guard_traced_scales=True)``: five scalar operations and one multiply of
-    the data by ``p / c`` (1 unless the scale left the range), which makes the benchmark steps
-    compile 40-85% slower. A zero or non-finite ``p`` gives the unguarded values (``p / c`` is
+    the data by ``p / c`` (1 unless the scale left the range), a large addition to compile
+    time (``docs/benchmarks.md``). A zero or non-finite ``p`` gives the unguarded values (``p / c`` is
     0, inf or nan).
 
     ``(a / c) * b`` is exact for normal powers of two: past the top bound ``a >= 2`` (else
@@ -558,10 +558,9 @@ def _rescaled_backward_sum(scale: Array, r: np.ndarray, reduce: Callable[..., Ar
     Most sums of a backward pass are transposes of broadcasts: per-example (per-token,
     per-step) contributions to one gradient entry, which share its sign, so the sum grows
     up to ``K`` times a term rather than ``sqrt(K)``. Float16 data overflow at ``2**16``
-    where the static ``sqrt(K)`` scale underestimates that (a parallel-scan recurrence's
-    decay gradient, 1,024 terms: NaN at the second step of an FP16 LRU), while a ``K``
-    scale would push the data of uncorrelated sums towards float16's subnormals (a GPT's
-    backward data down to ``2**-16``). The result's own statistic settles it.
+    where the static ``sqrt(K)`` scale underestimates that, while a ``K`` scale would push
+    the data of uncorrelated sums towards float16's subnormals. The result's own statistic
+    settles it.
     """
     inv_r = as_scale(1 / r)
     wide = reduce(*[mul_data(d.astype(jnp.float32), inv_r) for d in datas])

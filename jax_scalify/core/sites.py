@@ -307,9 +307,8 @@ def rescale_loop_carries(carries: Sequence[Any]) -> list:
 
     A carry that a rule has just rescaled from its data (a backward sum of a transposed
     loop: the statistic of all its data, its largest entry bounded) is left as it is: a
-    sample can only estimate it worse. (A deep-equilibrium model's tangent solve: one row of
-    the cotangent carried the tensor, the sample read none of its rows and moved the data
-    2^10 up, to inf after a few iterations.)
+    sample can only estimate it worse (it may miss the rows that carry the tensor, and move
+    them past the dtype's range).
     """
     if not active_policy().loop_carries:
         return list(carries)

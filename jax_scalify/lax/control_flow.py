@@ -14,8 +14,11 @@ is found by :func:`~jax_scalify.lax.subjaxpr.fixed_point`, starting with the car
 on entry (none for ``cond``). Plain values that must be scaled are promoted with scale 1
 (the value is unchanged), and carried scales are scalars of the configured scale dtype: a
 carry's scale is an ordinary loop variable and may change from one iteration to the next.
-Carries are plain ``ScaledArray``s (no :class:`~jax_scalify.core.array.ScaleFacts`): a
-constant 0 on entry need not be one after an iteration. Every scale is a power of two by
+Carries enter each iteration as plain ``ScaledArray``s (no
+:class:`~jax_scalify.core.array.ScaleFacts`): a constant 0 on entry need not be one after an
+iteration. The final carries of a ``scan`` of at least one iteration keep the marks of a
+chosen scale (``rescaled``, ``pinned``) the body gave them: they are the last iteration's
+values, so the outputs policy does not measure them again. Every scale is a power of two by
 contract (:func:`~jax_scalify.core.pow2.scales_are_pow2`), inside the body as outside, so
 nothing about scales needs to be carried across the loop boundary.
 
@@ -163,13 +166,12 @@ def scaled_scan(
     Such rebalanced ys also keep their per-iteration form (``slices``, see
     :class:`~jax_scalify.core.array.ScaleFacts`): rules build plain ``ScaledArray`` outputs,
     so the extra form does not propagate, and under ``jax.jit`` whichever form is unused is
-    removed as dead code. A later scan of the same length over them (the backward scan of ``grad`` over the
-    forward scan's residuals) scans the original slices with their own scales, so each
-    iteration sees what an unrolled loop would. Without this, a residual whose scale varies
-    across iterations reached the backward body with its slices shrunk by up to the whole
-    spread, and the cotangents inherited that spread as a scale offset that no rule
-    removes (gradients of a 2-layer scanned transformer came out with scales 2**33 too large
-    and data near float32's underflow).
+    removed as dead code. A later scan of the same length over them (the backward scan of
+    ``grad`` over the forward scan's residuals) scans the original slices with their own
+    scales, so each iteration sees what an unrolled loop would: from the rebalanced stack, a
+    residual whose scale varies across iterations would reach the backward body with its
+    slices shrunk by up to the whole spread, and the cotangents would inherit that spread as
+    a scale offset that no rule removes.
 
     ``reverse``, ``length``, ``unroll`` and the other options of the scan are kept.
     """
@@ -199,6 +201,7 @@ def scaled_scan(
             carry_out, ys = outs[:num_carry], outs[num_carry:]
             check_structure(owner, carry_out, scaled)
             carry_out = rescale_loop_carries(carry_out)
+            carry_marks[:] = [_marks_of(c) for c in carry_out]
             ys_flat, kinds = _split_ys(ys)
             ys_kinds[:] = kinds
             return _flatten(carry_out, scaled), ys_flat
@@ -206,8 +209,19 @@ def scaled_scan(
         xs_in, init_flat = (xs_data, scanned_scales), _flatten(init, scaled)
         return jax.lax.scan(body, init_flat, xs_in, length=length, reverse=reverse, unroll=unroll, **options)
 
+    carry_marks: list = []
     scaled, (carry_flat, ys_flat) = fixed_point(run, [_is_scaled(c) for c in init])
-    return [*_unflatten(carry_flat, scaled), *_merge_ys(ys_flat, ys_kinds)]
+    carries = _unflatten(carry_flat, scaled)
+    if length > 0:  # the final carries are the last iteration's: what the body knew of them holds
+        carries = [c.marked(**marks) if marks else c for c, marks in zip(carries, carry_marks)]
+    return [*carries, *_merge_ys(ys_flat, ys_kinds)]
+
+
+def _marks_of(x: Any) -> dict | None:
+    """The marks of a chosen scale (rescaled, pinned) a body gave a carry, or None."""
+    if _is_scaled(x) and (x.rescaled or x.pinned):
+        return {"rescaled": x.rescaled, "pinned": x.pinned}
+    return None
 
 
 # --- while -----------------------------------------------------------------------------------

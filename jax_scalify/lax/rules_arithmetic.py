@@ -159,20 +159,17 @@ def _backward_sum_in_float32(prim: Primitive, a: ScaledArray, b: ScaledArray, sc
     product with a factor that cancelled (the tanh GELU's derivative multiplies the cotangent
     by ``x``, ``3 * x ** 2`` and ``1 - tanh(...) ** 2``, 0 where tanh saturates, so that term
     carries the scale of ``x ** 3`` with data near 0); at that scale the other operand, which
-    holds the value, is flushed in float16 (the GELU's input gradient was 0 for inputs of a
-    few thousand), and the result's scale compounds block after block (in float32 too: a
-    12-block residual GELU MLP without normalisation, inputs of unit RMS, went NaN).
+    holds the value, is flushed in float16, and the result's scale compounds from block to
+    block (in float32 too).
 
     The sum is taken at the smaller operand scale, which a zero statistic keeps: an all-zero
-    cotangent (a zero-initialised output layer) no longer carries the ``x ** 3`` scale of each
-    GELU it goes through (``2**20`` per layer for inputs near ``2**10``, inf after ten), whose
-    zero data would later flush the first real gradient added to an optimizer moment of that
-    scale. A scale of 0 (an operand asserted zero at run time: the zero cotangent a
-    transposed loop starts its carries with) is not a candidate, and the work scale is at
-    most ``2**50`` below the static one: the data of the other operand then stay within the
-    range where the statistic is exact, and one rescale brings the sum to unit size (at
-    ``2**-60`` a transposed ``fori_loop`` left its sums' data at ``2**10``, and a DEQ's
-    float16 products after them overflowed).
+    cotangent (a zero-initialised output layer) does not carry the ``x ** 3`` scale of each
+    GELU it goes through (``2**20`` per layer for inputs near ``2**10``), whose zero data
+    would later flush the first real gradient added to an optimizer moment of that scale. A
+    scale of 0 (an operand asserted zero at run time: the zero cotangent a transposed loop
+    starts its carries with) is not a candidate, and the work scale is at most ``2**50``
+    below the static one: the data of the other operand then stay within the range where the
+    statistic is exact, and one rescale brings the sum to unit size.
     """
     sa, sb = as_scale(a.scale), as_scale(b.scale)
     smaller = scale_min(select(sa > 0, sa, sb), select(sb > 0, sb, sa))
@@ -204,8 +201,8 @@ def _bounded_scale(operands: Sequence[Any], bounds: Sequence[int]) -> Array:
     16- or 8-bit data dtype, ``s`` the largest scale of the other operands), or an upper
     bound above ``max * s``, is below (above) every value those operands can hold: at scale
     ``s`` it saturates at ``-max`` (``max``) and the result is the same. ``jnp.clip(x,
-    -1e30, 1e30)`` on float16 data at scale 2 keeps scale 2 (aligned to the constants, at
-    ``2**14`` above the data's scale each, the second bound flushed the data).
+    -1e30, 1e30)`` on float16 data at scale 2 keeps scale 2 (aligned to the constants' scale,
+    the data would be flushed).
     """
     scaled = [x for x in operands if isinstance(x, ScaledArray)]
     binding = [x for x, bound in zip(operands, bounds) if isinstance(x, ScaledArray) and not _never_binds(x, bound)]
@@ -317,11 +314,10 @@ def scaled_mul(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     rescale policy's ``self_products`` rescales that product from its data. Of float16/FP8
     data such a product is computed in float32 and narrowed with its whole-tensor statistic,
     its largest entry bounded, since the narrow product itself may overflow: float16 data of
-    about 300, left by a quotient in ``jax.experimental.ode``'s step-size estimate, squared
-    to inf inside a norm whose value was 1e-7; and the running products of a parallel scan's
-    decays (``exp(dt * A)``, mostly near 0 with a few near 1) put their largest entries
-    ever further above their RMS, level after level, until one product of two overflowed
-    (a Mamba-style LM at step 32). A rescale from a sample missed those entries.
+    a few hundred square to inf whatever their scale; and the running products of a parallel
+    scan's decays (``exp(dt * A)``, mostly near 0 with a few near 1) put their largest
+    entries ever further above their RMS, level after level, where a rescale from a sample
+    misses them.
     """
     if narrow_range(a.dtype) and is_self_product(a, b):
         wide_a = ScaledArray(widen(a.data), a.scale)
@@ -407,11 +403,11 @@ def scaled_select_n(which: Array, *cases: ScaledArray, **params) -> ScaledArray:
     A constant case that fits its data dtype only at a scale above ``2**8`` raises the common scale
     to that (exact: ``-1e9`` in ``where(mask, x, -1e9)`` with float16 data, float32's max in
     ``jnp.nan_to_num``), which the selected values keep whether or not the constant is
-    selected: ``2**64`` for ``nan_to_num`` of float32 data, whose square overflowed the scale
-    (NaN) and whose float16 casts flushed (``optax.contrib.schedule_free`` interpolates the
-    parameters with such a factor). Under any policy but the static one the scale is then
-    lowered to the result's largest entry: where the constant is selected it stays (float32's
-    max and 1 keep their ``2**64`` compromise), elsewhere it follows the selected values.
+    selected: ``2**64`` for ``nan_to_num`` of float32 data, a scale whose square overflows
+    the scale dtype (NaN) and at which float16 casts of the data flush. Under any policy but
+    the static one the scale is then lowered to the result's largest entry: where the
+    constant is selected it stays (float32's max and 1 keep their ``2**64`` compromise),
+    elsewhere it follows the selected values.
     """
     if isinstance(which, ScaledArray):  # a floating predicate is not valid LAX; keep the error there
         which = which.to_array(which.dtype)

@@ -16,13 +16,11 @@ jitted body with the value; powers of two need nothing (they are the contract).
 
 The rules take their inputs unpromoted (as the control-flow rules do): an unscaled argument
 stays unscaled inside the sub-jaxpr until one of its equations meets a scaled value, so
-evaluating a call gives what evaluating its body inline would. (Promoting every plain
-argument to scale 1 at the call boundary turned plain arithmetic of the body into scaled
-arithmetic: e.g. ``jsa.ops.dynamic_rescale_l2`` under ``grad`` in a ``scan`` body, where JAX
-hoists the fallback constants of its ``jnp.where``s into traced arguments of the jitted
-helper, then computed its clipping bounds 2**-126 and 2**127 as scaled values whose
-alignment to a common scale underflowed, and returned a factor 0: inf data, NaN
-gradients.)
+evaluating a call gives what evaluating its body inline would. Promoting every plain
+argument to scale 1 at the call boundary would turn plain arithmetic of the body into
+scaled arithmetic: constants that JAX hoists into traced arguments of a jitted body (such
+as clipping bounds ``2**-126`` and ``2**127``) would be aligned to a common scale, where
+they underflow.
 """
 
 from __future__ import annotations

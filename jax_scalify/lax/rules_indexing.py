@@ -132,8 +132,8 @@ def _scatter_sum(
 
     The gradient of a lookup (``table[ids]``, ``jnp.take``, ``nnx.Embed``) is a scatter-add of
     every lookup's contribution into its row. Summed in float16, a row's running sum stops
-    taking contributions once it is about 2**11 times one of them (plain float16 JAX too):
-    with 8,192 lookups per row the gradient was half its value. As the backward pass's other
+    taking contributions once it is about 2**11 times one of them (plain float16 JAX too),
+    so a row with thousands of lookups loses much of its gradient. As the backward pass's other
     sums of narrow data, it is accumulated in float32, its statistic (whole tensor, largest
     entry bounded) moved into the scale, and narrowed.
     """

@@ -121,20 +121,16 @@ def scaled_integer_pow(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     A base with ``|y| >= 3`` is first rescaled under the rescale policy's ``self_products``
     (and the equations after the power read it rescaled): a power multiplies the data's
     departure from unit size by ``y``. A cube of float16 data overflows from a departure of
-    2**5.3 (a parallel-scan recurrence's state reached 2**4.5 and its tanh GELU cubed it); in
-    float32 a departure of 2**26 (three GELU layers sharing a weight whose scale is 2**8 off)
-    cubes to data that the GELU's derivative underflows and a scale it overflows (NaN).
-    Squares stay static in scale.
+    2**5.3; in float32 a departure of 2**26 cubes to data that a derivative (the tanh GELU's)
+    underflows and a scale that it overflows (NaN). Squares stay static in scale.
 
     A square or a negative power of narrow (float16, FP8) data is computed in float32 and
     narrowed with its scale raised where its largest entry would overflow (a scale that
     stays ``s**y`` unless it would). For negative powers the smallest entries of the base
-    decide, which no statistic of the base bounds (the derivative of ``q / sigma ** 2`` in
-    ``jax.scipy.stats.norm.logpdf`` takes ``sigma ** -4``; for sigmas in ``[0.06, 2.6]``,
-    a range float16 holds at one scale, ``0.0036 ** -2`` overflowed the data). A square
-    overflows float16 data from a departure of 2**8 (the tanh GELU's derivative squares its
-    input in every tangent and backward pass; a Jacobian-norm penalty through four GELU
-    layers drifted its tangents there and was inf at step 35).
+    decide, which no statistic of the base bounds (``0.0036 ** -2`` overflows float16 data
+    even where the base's entries fit one scale). A square overflows float16 data from a
+    departure of 2**8 (the tanh GELU's derivative squares its input in every tangent and
+    backward pass).
     """
     if abs(y) >= 3 and active_policy().self_products:
         x = rescale_operand(x)
@@ -151,9 +147,8 @@ def _power(x: ScaledArray, power_of: Callable[[Any], Any], y: int, in_float32: b
     """Scale s**y, data ``power_of(d)``; with ``in_float32``, narrow data are raised in float32 and narrowed within range.
 
     Narrowed, the power's data are moved up where their largest entry is below ``2**-8``: the
-    square of float16 data of ``4e-3`` (``exp(log_std)`` at scale 1 in a mixture density
-    network's ``norm.logpdf``) was a subnormal ``1.7e-5``, and the backward pass's division
-    by it overflowed the cotangent (inf gradients from ``log_std = -5.5``).
+    square of float16 data of ``4e-3`` would be a subnormal ``1.7e-5``, and a division by it
+    (as in the backward pass of ``norm.logpdf``) would overflow.
     """
     if in_float32 and narrow_range(x.dtype):
         return narrowed_within_range(scaled_power(power_of(widen(x.data)), x.scale, y), x.dtype, lift=True)
@@ -167,8 +162,8 @@ def scaled_pow(a: ScaledArray, b: Any, **params) -> ScaledArray:
     An integral ``y`` (``x ** 3.0``, ``jnp.linalg.norm(x, ord=3)``) follows ``integer_pow``.
     Another ``y`` splits ``s ** y = 2 ** (k * y)`` (``s = 2 ** k``) into the scale
     ``2 ** floor(k * y)`` and a factor in ``[1, 2)`` multiplied into ``d ** y`` (computed in
-    float32 for narrow data): at scale 1, float16 data flushed ``|x| ** 3.0`` of entries near
-    ``1e-3`` to 0. A traced exponent (or an asserted-zero base): scale 1, computed on the
+    float32 for narrow data): at scale 1, float16 data would flush ``|x| ** 3.0`` of entries
+    near ``1e-3`` to 0. A traced exponent (or an asserted-zero base): scale 1, computed on the
     values (float32 for narrow data); ``b`` may be a plain integer array.
     """
     y = _constant_exponent(b)

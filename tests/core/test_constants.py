@@ -242,7 +242,8 @@ def test_nan_to_num_keeps_the_scale_of_its_input_under_the_default_policy(dtype)
     """The never-selected replacement of ``-inf`` (the dtype's max) raised the result's scale
     to ``2**64`` in float32: its square overflowed the scale (NaN where plain JAX gives
     ``1.3e-5``). The select is rescaled by its largest entry; selected replacements keep
-    their value."""
+    their value. (Found in ``optax.contrib.schedule_free``, which interpolates the parameters
+    with such a factor: their float16 casts at scale ``2**64`` flushed.)"""
     x = jnp.asarray([0.0036, -1.5, 2.0], dtype)
     square = jax.jit(jsa.scalify(lambda x: jnp.nan_to_num(x) ** 2))(jsa.as_scaled_array(x))
     expected = np.asarray(x, np.float64) ** 2  # 1.3e-5 is subnormal in float16 data at scale 1

@@ -47,7 +47,7 @@ def test_jsa_lax_is_the_scaling_primitives_and_0_1s_rule_functions():
 
 
 def test_rule_modules_import_no_private_name_from_a_sibling():
-    """Shared helpers are public names of base_scaling (or core), never a sibling's privates."""
+    """Shared helpers are public names of core (core.scaling ...), never a sibling's privates."""
     for path in sorted(LAX_DIR.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level > 0:

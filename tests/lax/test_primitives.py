@@ -153,6 +153,23 @@ def test_set_scaling_stands_in_loop_carries_and_gradients():
     np.testing.assert_array_equal(g.to_array(), 2 * X)
 
 
+def test_set_scaling_stands_across_a_nested_jit_and_out_of_a_loop():
+    """The mark of a scale set by the user is in the value (``ScaleFacts.pinned``): it crosses a
+    nested ``jax.jit`` and leaves a ``scan`` whose body set it, and the default output policy leaves it."""
+
+    def nested(v):
+        return jax.jit(lambda u: set_scaling(u * 3, 8.0))(v)
+
+    def loop(v):
+        return jax.lax.scan(lambda c, _: (set_scaling(c * 1.5, 8.0), None), v, None, length=3)[0]
+
+    x = jsa.as_scaled_array(jnp.asarray(X))
+    for fn, value in ((nested, 3 * X), (loop, X * 1.5**3)):
+        out = jax.jit(jsa.scalify(fn))(x)
+        assert float(out.scale) == 8.0, fn.__name__
+        np.testing.assert_allclose(out.to_array(), value, rtol=1e-6)
+
+
 def test_dynamic_rescale_after_set_scaling_still_rescales():
     """An explicit dynamic_rescale of a value given its scale by set_scaling moves that scale."""
     out = jax.jit(jsa.scalify(lambda v: jsa.ops.dynamic_rescale(set_scaling(v, 8.0))))(jnp.asarray(X))

@@ -435,7 +435,9 @@ def test_rescale_statistics_cost_a_few_all_reduces_whatever_the_number_of_tensor
     for ``w`` and ``b``). What grows with depth is what one layer needs before the next can
     run: the backward pass's own sums, each rescaled from its result in turn (the tanh's
     derivative, a product rule), and the forward contraction's result (``contractions``),
-    whose rows are sharded: two scalar all-reduces per layer.
+    whose rows are sharded: two scalar all-reduces per layer. Each factor waits for its whole
+    batch's statistics (``_joined`` in ``core/measure.py``): without that, XLA scheduled each
+    statistic's all-reduce on its own instead of combining it with the batch's.
     """
     two, four = _fsdp_adam_all_reduces(2), _fsdp_adam_all_reduces(4)
     assert two <= 10 and four - two == 4

@@ -723,7 +723,9 @@ def test_a_float16_sum_of_same_signed_terms_in_the_backward_pass_does_not_overfl
     """The gradient of a broadcast parameter sums its per-row contributions: 1,024 terms of data
     4,000 share a sign, so the sum is 32 times what the static ``sqrt(K)`` scale expects and
     overflows float16 data (inf under the static policy). Summed in float32 and rescaled from
-    its result, it is exact."""
+    its result, it is exact. (Found as the decay gradient of a parallel-scan recurrence,
+    1,024 terms: NaN at the second step of an FP16 LRU. A static ``K`` scale instead pushed
+    a GPT's uncorrelated backward sums down to data of ``2**-16``.)"""
     bias = jsa.tree.astype(jsa.as_scaled_array(jnp.ones(64)), jnp.float16)
     terms = jsa.ScaledArray(jnp.full((1024, 64), 4000.0, jnp.float16), jnp.float32(1.0))
 
