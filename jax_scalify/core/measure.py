@@ -162,14 +162,30 @@ def _max_abs(data: Array) -> Array:
     return jnp.max(jnp.abs(data))
 
 
+def _pow2_at_most(peak: Array) -> Array:
+    """A power of two to divide data of largest magnitude ``peak`` by, exactly and without overflow; 1 if ``peak`` is 0 or not finite.
+
+    ``2**floor(log2(peak))`` for a normal float32 ``peak``, from its exponent field alone, and
+    ``2**-126`` for a subnormal one (above the peak, so the quotients are below 1, and their
+    squares still normal).
+    """
+    if np.dtype(peak.dtype) != np.float32 or np.ndim(peak):
+        m = pow2_round_down(peak)
+        return jnp.where(jnp.isfinite(m) & (m > 0), m, jnp.ones_like(m))
+    lax = jax.lax
+    exponent = lax.bitwise_and(lax.bitcast_convert_type(peak, jnp.int32), np.int32(_F32_EXPONENT_MASK))
+    power = lax.bitcast_convert_type(lax.max(exponent, np.int32(1 << 23)), jnp.float32)
+    usable = lax.bitwise_and(lax.gt(peak, np.float32(0)), lax.ne(exponent, np.int32(_F32_EXPONENT_MASK)))
+    return lax.select(usable, power, np.float32(1))
+
+
 def _normalised(data: Array) -> tuple[Array, Array]:
     """``(data / m, m)`` with ``m`` the power of two below ``max|data|`` (1 if that is 0 or not finite).
 
     Dividing by a power of two is exact; it keeps the squares and sums of the L1/L2
     statistics from overflowing when the data is large.
     """
-    m = pow2_round_down(_max_abs(data))
-    m = jnp.where(jnp.isfinite(m) & (m > 0), m, jnp.ones_like(m))
+    m = _pow2_at_most(_max_abs(data))
     return data / m, m
 
 
@@ -431,11 +447,19 @@ def rescale_scaled_arrays(
     work = np.float64 if any(np.dtype(d.dtype) == np.float64 for d in samples) else np.float32
     if _rms_path(xs, norm, sample_size, min_scale, mode, work):
         up = mode == Pow2RoundMode.UP
-        factors = _joined([_pow2_rms(d, up, peak, floor) for d, peak, floor in zip(samples, peaks, floors)])
-        return [_moved_by(x, factor) for x, factor in zip(xs, factors)]
+        if len(xs) == 1:
+            return [_moved_by(xs[0], _pow2_rms(samples[0], up, peaks[0], floors[0]))]
+        means = jnp.stack([_one_pass_mean(d.astype(np.float32), "l2") for d in samples])
+        factors = _pow2_rms_of_means(means, up, _stacked_or_none(peaks), _stacked_or_none(floors))
+        inverses, new_scales = _moved_scales(jnp.stack([jnp.asarray(as_scale(x.scale)) for x in xs]), factors)
+        return _sliced(xs, inverses, new_scales)
     stats = _batch_statistics(samples, norm, work, one_pass=sample_size is not None)
     stats = [stat if peak is None else _at_least(stat, peak) for stat, peak in zip(stats, peaks)]
-    stats = _joined([stat if floor is None else _at_least(stat, floor) for stat, floor in zip(stats, floors)])
+    stats = [stat if floor is None else _at_least(stat, floor) for stat, floor in zip(stats, floors)]
+    scales = [jnp.asarray(as_scale(x.scale)) for x in xs]
+    if len(xs) > 1 and min_scale is None and all(_exponent_path(t, s, mode) for t, s in zip(stats, scales)):
+        return _moved_together(xs, stats, scales, mode == Pow2RoundMode.UP)
+    stats = _joined(stats)
     outs = []
     for stat, x in zip(stats, xs):
         scale = jnp.asarray(as_scale(x.scale))
@@ -446,6 +470,38 @@ def rescale_scaled_arrays(
             inverse, new_scale = 1 / factor, scale * factor
         outs.append(ScaledArray(mul_data(x.data, inverse), new_scale))
     return outs
+
+
+def _moved_together(xs: list[ScaledArray], stats: list[Array], scales: list[Array], up: bool) -> list[ScaledArray]:
+    """Each ``x`` with its statistic moved into its scale, the exponent arithmetic done once on the stacked scalars.
+
+    :func:`_pow2_rescale_exponents` on two vectors instead of on each tensor's scalars: one
+    set of scalar operations for the batch, then a slice per tensor. The stack waits for
+    every statistic, so on sharded data XLA combines the batch's all-reduces.
+    """
+    inverses, new_scales = _pow2_rescale_exponents(jnp.stack(stats), jnp.stack(scales), up)
+    return _sliced(xs, inverses, new_scales)
+
+
+def _sliced(xs: list[ScaledArray], inverses: Array, new_scales: Array) -> list[ScaledArray]:
+    """Each ``x`` with its data multiplied by its entry of ``inverses`` and its scale its entry of ``new_scales``."""
+    index = jax.lax.index_in_dim
+    return [
+        ScaledArray(mul_data(x.data, index(inverses, i, keepdims=False)), index(new_scales, i, keepdims=False))
+        for i, x in enumerate(xs)
+    ]
+
+
+def _stacked_or_none(bounds: list[Array | None]) -> Array | None:
+    """The per-tensor bounds as one vector (0, no bound, where a tensor has none), or None if none has one."""
+    if all(b is None for b in bounds):
+        return None
+    return jnp.stack([np.float32(0) if b is None else jnp.asarray(b, np.float32) for b in bounds])
+
+
+def _select(pred: Array, on_true: Array, on_false: float) -> Array:
+    """``lax.select`` with the number ``on_false`` in ``on_true``'s shape and dtype (no ``jit`` equation)."""
+    return jax.lax.select(pred, on_true, jax.lax.full_like(on_true, on_false))
 
 
 def _joined(stats: list[Array]) -> list[Array]:
@@ -580,8 +636,12 @@ def _pow2_rms(sample: Array, up: bool, peak: Array | None = None, floor: Array |
     it), so ``k`` is in ``[-63, 64]``. With a ``peak`` (:func:`_relative_peak`), the factor
     is at least ``peak`` rounded up to a power of two.
     """
+    return _pow2_rms_of_means(_one_pass_mean(sample.astype(np.float32), "l2"), up, peak, floor)
+
+
+def _pow2_rms_of_means(mean: Array, up: bool, peak: Array | None = None, floor: Array | None = None) -> Array:
+    """The factors of :func:`_pow2_rms` from the mean squares (elementwise: one scalar, or a batch's vector)."""
     lax = jax.lax
-    mean = _one_pass_mean(sample.astype(np.float32), "l2")
     usable = lax.bitwise_and(lax.gt(mean, np.float32(0)), lax.lt(mean, np.float32(np.inf)))
     exponent = lax.sub(_biased_exponent(lax.max(mean, _F32_TINY)), np.int32(_F32_BIAS))
     if up:  # ceil(log2(mean)): one more unless the mean is a power of two
@@ -592,11 +652,11 @@ def _pow2_rms(sample: Array, up: bool, peak: Array | None = None, floor: Array |
     even_power = _from_biased_exponent(lax.add(lax.add(half, half), np.int32(_F32_BIAS)))
     if peak is not None:  # callers keep it at most 2**60: its square is a normal float32
         bound = pow2_round_up(peak)
-        bound = lax.select(lax.lt(peak, np.float32(np.inf)), lax.mul(bound, bound), np.float32(0))
+        bound = _select(lax.lt(peak, np.float32(np.inf)), lax.mul(bound, bound), 0)
         even_power = lax.max(even_power, bound)
     if floor is not None:  # 0 or 1: a power of two's square
         even_power = lax.max(even_power, floor)
-    return lax.sqrt(lax.select(usable, even_power, np.float32(1)))
+    return lax.sqrt(_select(usable, even_power, 1))
 
 
 def _moved_by(x: ScaledArray, factor: Array) -> ScaledArray:
@@ -605,17 +665,20 @@ def _moved_by(x: ScaledArray, factor: Array) -> ScaledArray:
     The new scale is kept within float32's normal range (the factor is clipped where it
     would leave it), and a scale that is 0, subnormal or not finite is left as it is.
     """
+    inverse, new_scale = _moved_scales(jnp.asarray(as_scale(x.scale)), factor)
+    return ScaledArray(mul_data(x.data, inverse), new_scale)
+
+
+def _moved_scales(scale: Array, factor: Array) -> tuple[Array, Array]:
+    """``(1 / factor, new scale)`` of :func:`_moved_by`, elementwise (one scalar, or a batch's vector)."""
     lax = jax.lax
-    scale = jnp.asarray(as_scale(x.scale))
     usable = lax.bitwise_and(lax.ge(scale, _F32_TINY), lax.lt(scale, np.float32(np.inf)))
     new_scale = lax.min(lax.max(lax.mul(scale, factor), _F32_TINY), np.float32(2.0**127))
     as_int = lambda v: lax.bitcast_convert_type(v, jnp.int32)
     inverse = lax.bitcast_convert_type(
         lax.add(lax.sub(as_int(scale), as_int(new_scale)), np.int32(_F32_BIAS << 23)), jnp.float32
     )
-    return ScaledArray(
-        mul_data(x.data, lax.select(usable, inverse, np.float32(1))), lax.select(usable, new_scale, scale)
-    )
+    return _select(usable, inverse, 1), lax.select(usable, new_scale, scale)
 
 
 def rescaled_into_narrow(x: ScaledArray, dtype: Any, norm: Norm, sample_size: int | None = None) -> ScaledArray:
