@@ -685,7 +685,7 @@ def rescaled_into_narrow(x: ScaledArray, dtype: Any, norm: Norm, sample_size: in
     """``x`` (wide data) with the statistic of all its data moved into its scale, cast to the narrow ``dtype`` without overflow.
 
     For values computed in float32 to be stored in float16/FP8 (the backward sums of
-    :func:`jax_scalify.core.scaling.rescaled_and_narrowed`). Their largest entry must be
+    :func:`jax_scalify.core.sites.rescaled_into`). Their largest entry must be
     bounded anyway, which reads the whole tensor; the mean square of all of it is a second
     reduction of the same data and, unlike a sample, cannot miss the few entries that carry
     the tensor (a sampled RMS far below the tensor's leaves narrow data that the products

@@ -28,7 +28,6 @@ from .measure import (
     as_scale,
     is_wide_dtype,
     mul_data,
-    narrowed_within_range,
     saturated_cast,
     scale_bounds,
     scale_dtype,
@@ -43,7 +42,7 @@ from .pow2 import (
     scales_are_pow2,
 )
 from .promotion import any_scale_array, is_any_scale
-from .sites import mark_rescaled, rescale_by_policy, rescale_into_narrow, rescales_in_backward_pass
+from .sites import rescaled_into, rescales_in_backward_pass
 
 Array = Any
 ScaleMap = Callable[[Array], Array]
@@ -564,27 +563,7 @@ def _rescaled_backward_sum(scale: Array, r: np.ndarray, reduce: Callable[..., Ar
     """
     inv_r = as_scale(1 / r)
     wide = reduce(*[mul_data(d.astype(jnp.float32), inv_r) for d in datas])
-    return rescaled_and_narrowed(scaled_product(wide, scale, r), datas[0].dtype)
-
-
-def rescaled_and_narrowed(wide: ScaledArray, dtype: Any) -> ScaledArray:
-    """A backward sum computed in float32 (or wider): its statistic moved into the scale, then cast to ``dtype`` without overflow.
-
-    For float16/FP8 the statistic is that of the whole tensor, whose largest entry is
-    bounded too (:func:`jax_scalify.core.sites.rescale_into_narrow`);
-    for wide dtypes (bfloat16: float32's range) the policy's sampled rescale. The result
-    counts as rescaled by the policy: a gradient it returns is not rescaled again at the end
-    of the backward pass.
-    """
-    if narrow_range(dtype):
-        out = rescale_into_narrow(wide, dtype)
-        if out.dtype != dtype:  # not rescalable (any-scale): only the bound
-            out = narrowed_within_range(out, dtype)
-    else:
-        out = rescale_by_policy(wide)
-        if out.dtype != dtype:
-            out = ScaledArray(out.data.astype(dtype), out.scale)
-    return mark_rescaled(out)
+    return rescaled_into(scaled_product(wide, scale, r), datas[0].dtype)
 
 
 def single_binary_reducer(jaxpr: Jaxpr, consts: Sequence[Any]) -> Primitive | None:

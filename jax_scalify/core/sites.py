@@ -27,7 +27,7 @@ from jax.extend import source_info_util
 from jax.extend.core import Jaxpr
 
 from .array import ScaledArray, is_floating_dtype, narrow_range
-from .measure import rescale_scaled_array, rescale_scaled_arrays, rescaled_into_narrow
+from .measure import narrowed_within_range, rescale_scaled_array, rescale_scaled_arrays, rescaled_into_narrow
 from .pow2 import is_numpy
 from .promotion import is_any_scale
 from .registry import Site, registered_rule
@@ -186,20 +186,31 @@ def rescale_by_policy(x: Any, policy: ScalePolicy | None = None) -> Any:
     return mark_rescaled(rescale_scaled_array(x, policy.norm, policy.sample_size))
 
 
-def rescale_into_narrow(x: Any, dtype: Any) -> Any:
-    """``x`` (wide data) rescaled with the policy's statistic of all its data and cast to the narrow ``dtype``.
+def rescaled_into(wide: ScaledArray, dtype: Any) -> ScaledArray:
+    """A value computed in wide data, stored in ``dtype``: the one narrowing of every site.
 
-    :func:`~jax_scalify.core.measure.rescaled_into_narrow`; a value that is not rescalable
-    is returned as it is.
+    Into float16/FP8: the policy's statistic of all the data moves into the scale and the
+    largest entry is kept at most half the dtype's largest power of two
+    (:func:`~jax_scalify.core.measure.rescaled_into_narrow`; a value that is not rescalable,
+    such as an any-scale constant, only gets the bound). Into a wide dtype (bfloat16 has
+    float32's range): the policy's sampled rescale, then the cast. The result counts as
+    rescaled (:func:`mark_rescaled`): no later site measures it again.
     """
-    if not is_rescalable(x):
-        return x
-    policy = active_policy()
-    return mark_rescaled(rescaled_into_narrow(x, dtype, policy.norm, policy.sample_size))
+    if narrow_range(dtype):
+        if is_rescalable(wide):
+            policy = active_policy()
+            out = rescaled_into_narrow(wide, dtype, policy.norm, policy.sample_size)
+        else:
+            out = narrowed_within_range(wide, dtype)
+    else:
+        out = rescale_by_policy(wide)
+        if out.dtype != dtype:
+            out = ScaledArray(out.data.astype(dtype), out.scale)
+    return mark_rescaled(out)
 
 
 def rescales_cast(x: Any, dtype: Any) -> bool:
-    """Whether a cast of ``x`` to the floating ``dtype`` goes through :func:`rescale_into_narrow` (``fp8_casts``).
+    """Whether a cast of ``x`` to the floating ``dtype`` goes through :func:`rescaled_into` (``fp8_casts``).
 
     Casts of traced data wider than 8 bits into an 8-bit float, under the ``fp8_casts`` policy.
     """
@@ -420,7 +431,7 @@ __all__ = [
     "rescale_by_policy",
     "rescale_all",
     "rescale_contraction",
-    "rescale_into_narrow",
+    "rescaled_into",
     "rescale_loop_carries",
     "rescale_operand",
     "rescale_residual",

@@ -42,7 +42,6 @@ from ..core.scaling import (
     largest_scale,
     mul_data,
     narrow_range,
-    rescaled_and_narrowed,
     round_scale,
     saturated_cast,
     scale_max,
@@ -60,8 +59,8 @@ from ..core.sites import (
     active_policy,
     inherit_mark,
     is_self_product,
-    rescale_into_narrow,
     rescale_self_product,
+    rescaled_into,
     rescales_cast,
     rescales_in_backward_pass,
 )
@@ -176,7 +175,7 @@ def _backward_sum_in_float32(prim: Primitive, a: ScaledArray, b: ScaledArray, sc
     work_scale = scale_max(smaller, scale * np.float32(2.0**-50))
     wide = [ScaledArray(widen(x.data), x.scale) for x in (a, b)]
     total = ScaledArray(_bind(prim, *(at_scale(x, work_scale).data for x in wide), **params), work_scale)
-    return rescaled_and_narrowed(total, a.dtype)
+    return rescaled_into(total, a.dtype)
 
 
 def _scaled_aligned(prim: Primitive, operands: Sequence[Any], params: dict, bounds: Sequence[int] = ()) -> ScaledArray:
@@ -323,7 +322,7 @@ def scaled_mul(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
         wide_a = ScaledArray(widen(a.data), a.scale)
         wide_b = wide_a if a is b else ScaledArray(widen(b.data), b.scale)
         product = scaled_product(_bind(P.mul_p, wide_a, wide_b, **params), a.scale, b.scale)
-        return rescaled_and_narrowed(product, a.dtype)
+        return rescaled_into(product, a.dtype)
     return rescale_self_product(scaled_product(_bind(P.mul_p, a, b, **params), a.scale, b.scale), a, b)
 
 
@@ -481,7 +480,7 @@ def scaled_convert_element_type(x: ScaledArray, *, new_dtype: Any, **params) -> 
         return P.convert_element_type_p.bind(x, new_dtype=new_dtype, **params)
     if is_floating_dtype(new_dtype):
         if rescales_cast(x, new_dtype):
-            return rescale_into_narrow(x, new_dtype)
+            return rescaled_into(x, new_dtype)
         out = ScaledArray(_bind(P.convert_element_type_p, x, new_dtype=new_dtype, **params), as_scale(x.scale))
         return inherit_mark(out, x)  # the data's size is unchanged
     return P.convert_element_type_p.bind(to_float32_value(x), new_dtype=new_dtype, **params)

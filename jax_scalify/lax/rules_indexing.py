@@ -34,13 +34,12 @@ from ..core.scaling import (
     bind_aligned,
     bind_keep_scale,
     mul_data,
-    rescaled_and_narrowed,
     value_order_data,
     widen,
     with_scalar_scale,
     zero_to_one,
 )
-from ..core.sites import mark_sparse, rescales_in_backward_pass
+from ..core.sites import mark_sparse, rescaled_into, rescales_in_backward_pass
 
 Array = Any
 
@@ -144,7 +143,7 @@ def _scatter_sum(
     scatter = lax.scatter_add if prim is P.scatter_add_p else lax.scatter_sub  # builds its float32 update jaxpr
     kept = {k: params[k] for k in ("dimension_numbers", "indices_are_sorted", "unique_indices", "mode")}
     wide = scatter(widen(operand.data), indices, widen(updates.data), **kept)
-    return rescaled_and_narrowed(ScaledArray(wide, scale), dtype)
+    return rescaled_into(ScaledArray(wide, scale), dtype)
 
 
 @register_scaled_lax_op

@@ -30,6 +30,7 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray
 from ..core.constants import known_scalar
+from ..core.measure import narrowed_within_range
 from ..core.pow2 import exp2_int, pow2_exponent
 from ..core.registry import register_scaled_lax_op, register_scaled_op
 from ..core.scaling import (
@@ -39,7 +40,6 @@ from ..core.scaling import (
     is_any_scale,
     is_numpy,
     narrow_range,
-    narrowed_within_range,
     on_value,
     scale_capped_at_one,
     scaled_from_value,

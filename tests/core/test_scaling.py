@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import jax_scalify as jsa
+from jax_scalify.core.measure import narrowed_within_range
 from jax_scalify.core.scaling import (
     mul_data,
-    narrowed_within_range,
     numpy_api,
     rebalance_stacked,
     unscaled,
