@@ -37,3 +37,37 @@ def restore_registry():
     yield
     registry._RULES.clear()
     registry._RULES.update(saved)
+
+
+_MAPS = "/proc/self/maps"
+_MAP_BUDGET = 40_000  # Linux's default vm.max_map_count is 65,530
+_until_check = [1]
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_code():
+    """Frees the compiled executables of earlier tests when the process nears the kernel's map limit.
+
+    Each XLA:CPU executable maps its generated code; the program tests keep their compiled steps
+    for the session (shared between tests), and a worker that ran a few hundred of them reached
+    Linux's limit of 65,530 memory maps, where the next compilation crashed the process
+    (a segmentation fault inside XLA). Past the budget the shared steps and JAX's caches are
+    dropped and compiled again where needed.
+    """
+    yield
+    _until_check[0] -= 1
+    if _until_check[0] > 0 or not os.path.exists(_MAPS):
+        return
+    with open(_MAPS) as maps:
+        count = sum(1 for _ in maps)
+    _until_check[0] = 1 if count > _MAP_BUDGET // 2 else 10  # reading the maps costs a few ms
+    if count > _MAP_BUDGET:
+        import gc
+
+        import jax
+
+        from tests.programs import harness
+
+        harness.release_compiled_steps()
+        jax.clear_caches()
+        gc.collect()

@@ -85,6 +85,7 @@ PUBLIC = {
         "softmax",
     },
     "jax_scalify.tree": {"all", "astype", "flatten", "leaves", "map", "map_values", "structure", "unflatten"},
+    "jax_scalify.policy": {"RescalePolicy"},
     "jax_scalify.optim": {"CompensatedState", "scale_state"},
     "jax_scalify.analysis": {
         "BACKWARD",

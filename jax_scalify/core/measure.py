@@ -162,30 +162,14 @@ def _max_abs(data: Array) -> Array:
     return jnp.max(jnp.abs(data))
 
 
-def _pow2_at_most(peak: Array) -> Array:
-    """A power of two to divide data of largest magnitude ``peak`` by, exactly and without overflow; 1 if ``peak`` is 0 or not finite.
-
-    ``2**floor(log2(peak))`` for a normal float32 ``peak``, from its exponent field alone, and
-    ``2**-126`` for a subnormal one (above the peak, so the quotients are below 1, and their
-    squares still normal).
-    """
-    if np.dtype(peak.dtype) != np.float32 or np.ndim(peak):
-        m = pow2_round_down(peak)
-        return jnp.where(jnp.isfinite(m) & (m > 0), m, jnp.ones_like(m))
-    lax = jax.lax
-    exponent = lax.bitwise_and(lax.bitcast_convert_type(peak, jnp.int32), np.int32(_F32_EXPONENT_MASK))
-    power = lax.bitcast_convert_type(lax.max(exponent, np.int32(1 << 23)), jnp.float32)
-    usable = lax.bitwise_and(lax.gt(peak, np.float32(0)), lax.ne(exponent, np.int32(_F32_EXPONENT_MASK)))
-    return lax.select(usable, power, np.float32(1))
-
-
 def _normalised(data: Array) -> tuple[Array, Array]:
     """``(data / m, m)`` with ``m`` the power of two below ``max|data|`` (1 if that is 0 or not finite).
 
     Dividing by a power of two is exact; it keeps the squares and sums of the L1/L2
     statistics from overflowing when the data is large.
     """
-    m = _pow2_at_most(_max_abs(data))
+    m = pow2_round_down(_max_abs(data))
+    m = jnp.where(jnp.isfinite(m) & (m > 0), m, jnp.ones_like(m))
     return data / m, m
 
 

@@ -94,4 +94,4 @@ DEFAULT_POLICY = RescalePolicy()
 STATIC_POLICY = RescalePolicy.static()
 sites.set_default_policy(DEFAULT_POLICY)
 
-__all__ = ["DEFAULT_POLICY", "STATIC_POLICY", "RescalePolicy"]
+__all__ = ["RescalePolicy"]

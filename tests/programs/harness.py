@@ -132,6 +132,12 @@ def _scalified_float32(program: Program) -> tuple[optax.GradientTransformation, 
     return tx, recipe.compile_step(program.make_train_step(tx, False), program.jit)
 
 
+def release_compiled_steps() -> None:
+    """Drops the compiled steps shared between tests (they are compiled again on next use)."""
+    _setup.cache_clear()
+    _scalified_float32.cache_clear()
+
+
 # --- float32 invariance ------------------------------------------------------------------------
 def random_pow2_scaled(tree: Any, rng: np.random.Generator, max_exponent: int = MAX_SCALE_EXPONENT) -> Any:
     """Every floating array leaf as ``ScaledArray(value / s, s)``, ``s = 2**k``, ``k`` uniform in ``[-m, m]``."""
