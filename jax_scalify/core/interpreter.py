@@ -8,9 +8,10 @@ Evaluation is equation by equation:
    (see :mod:`jax_scalify.core.promotion`);
 3. no rule: ``NotImplementedError`` naming the primitive, inputs and user source line.
 
-The rescale policy (:mod:`jax_scalify.core.sites`) adds dynamic rescales at a few points:
-the gradients leaving the backward pass (rescaled together before their first use by a
-forward equation), and the outputs of ``scalify``; loop carries are the control-flow rules'.
+The active scale policy (the protocol in :mod:`jax_scalify.core.sites`; ``jsa.RescalePolicy``
+by default) acts at the interpreter's own sites: plain arrays entering the backward pass, the
+gradients leaving it (the variables its jaxpr analyses name, rescaled together before their
+first use by a forward equation) and the outputs of ``scalify``; the other sites are the rules'.
 
 Nothing here knows about individual primitives: the rules, including those of call and
 control-flow primitives, live in :mod:`jax_scalify.lax` and are looked up in the registry.
