@@ -36,11 +36,12 @@ Example, a rule for a primitive that keeps its operand's scale::
         return jsx.bind_keep_scale(my_p, x, **params)
 """
 
+from .core import scaling
 from .core.array import ScaleFacts
 from .core.constants import known_scalar
 from .core.custom_scale import custom_scale_call_p
 from .core.interpreter import eval_closed_jaxpr, eval_scaled_jaxpr, observe_equations
-from .core.pow2 import is_numpy, scales_are_pow2
+from .core.pow2 import scales_are_pow2
 from .core.promotion import promote
 from .core.registry import (
     RegisteredRule,
@@ -52,6 +53,7 @@ from .core.registry import (
     registered_rules,
 )
 from .core.scaling import *  # noqa: F401,F403  (its __all__: the shared scale arithmetic)
+from .lax import subjaxpr
 from .lax.subjaxpr import *  # noqa: F401,F403  (its __all__: sub-jaxprs and their scaled outputs)
 
 __all__ = [
@@ -69,52 +71,9 @@ __all__ = [
     "observe_equations",
     # what is known about a value
     "ScaleFacts",
-    "any_scale_array",
-    "is_any_scale",
-    "is_numpy",
     "known_scalar",
     "promote",
     "scales_are_pow2",
     "custom_scale_call_p",
-    # sub-jaxprs (lax.subjaxpr)
-    "StructureGrew",
-    "check_structure",
-    "eval_sub_jaxpr",
-    "fixed_point",
-    # the shared scale arithmetic (core.scaling)
-    "ScaleMap",
-    "align_to_largest",
-    "as_scale",
-    "bind_aligned",
-    "bind_keep_scale",
-    "exact_root",
-    "largest_scale",
-    "mul_data",
-    "narrow_range",
-    "num_elements",
-    "numpy_api",
-    "on_value",
-    "rebalance_stacked",
-    "at_scale",
-    "round_scale",
-    "saturated_cast",
-    "scale_bounds",
-    "scale_capped_at_one",
-    "scale_div",
-    "scale_dtype",
-    "scale_max",
-    "scale_min",
-    "scale_mul",
-    "scaled_from_value",
-    "scaled_power",
-    "scaled_product",
-    "select",
-    "single_binary_reducer",
-    "sqrt_size_pow2",
-    "unit_scale",
-    "unit_scaled_sum",
-    "value_order_data",
-    "widen",
-    "with_scalar_scale",
-    "zero_to_one",
 ]
+__all__ += scaling.__all__ + subjaxpr.__all__  # the shared scale arithmetic, sub-jaxprs

@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Jaxpr, Primitive
 
-from .array import ScaledArray, narrow_range, unscaled
+from .array import ScaledArray, narrow_range
 from .config import Pow2RoundMode, get_scalify_config
 from .measure import (
     as_scale,
@@ -650,12 +650,9 @@ __all__ = [
     "select",
     "single_binary_reducer",
     "sqrt_size_pow2",
-    "to_float32_value",
     "unit_scale",
     "unit_scaled_sum",
-    "unscaled",
     "value_order_data",
-    "value_of",
     "widen",
     "with_scalar_scale",
     "zero_to_one",

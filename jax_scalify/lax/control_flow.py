@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from ..core.array import ScaledArray, is_concrete
+from ..core.array import ScaledArray, is_concrete, unscaled
 from ..core.interpreter import eval_closed_jaxpr
 from ..core.registry import lax_primitive, register_scaled_op
 from ..core.scaling import (
@@ -48,7 +48,6 @@ from ..core.scaling import (
     as_scale,
     rebalance_stacked,
     scale_dtype,
-    unscaled,
     with_scalar_scale,
 )
 from ..core.sites import rescale_loop_carries

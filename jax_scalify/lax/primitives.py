@@ -16,10 +16,10 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ..core.array import ScaledArray, is_floating_dtype
+from ..core.array import ScaledArray, is_floating_dtype, unscaled
 from ..core.config import get_scalify_config
 from ..core.registry import ScaledPrimitiveType, register_scaled_op
-from ..core.scaling import as_scale, mul_data, unscaled
+from ..core.scaling import as_scale, mul_data
 from ..core.sites import mark_rescaled
 
 Array = Any

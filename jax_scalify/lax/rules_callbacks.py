@@ -14,8 +14,8 @@ import jax
 import numpy as np
 from jax.experimental import io_callback
 
+from ..core.array import unscaled
 from ..core.registry import ScaledPrimitiveType, primitive_of, register_scaled_op
-from ..core.scaling import unscaled
 
 _f32 = jax.ShapeDtypeStruct((), np.float32)
 pure_callback_p = primitive_of(lambda x: jax.pure_callback(lambda v: v, _f32, x), np.float32(0))

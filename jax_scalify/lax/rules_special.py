@@ -28,7 +28,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.extend.core import primitives as P
 
-from ..core.array import ScaledArray, is_floating_dtype
+from ..core.array import ScaledArray, is_floating_dtype, unscaled
 from ..core.registry import ScaledPrimitiveType, register_scaled_lax_op, register_scaled_op
 from ..core.scaling import (
     align_to_largest,
@@ -41,7 +41,6 @@ from ..core.scaling import (
     to_float32_value,
     unit_scale,
     unit_scaled_sum,
-    unscaled,
     value_of,
 )
 from .rules_arithmetic import scaled_add

@@ -75,4 +75,4 @@ def fixed_point(run: Callable[[tuple[bool, ...], object], Any], scaled: Sequence
     raise AssertionError("unreachable: the scaled set grows at every retry")
 
 
-__all__ = ["StructureGrew", "check_structure", "eval_sub_jaxpr", "fixed_point", "is_scaled"]
+__all__ = ["StructureGrew", "check_structure", "eval_sub_jaxpr", "fixed_point"]

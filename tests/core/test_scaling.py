@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 import jax_scalify as jsa
+from jax_scalify.core.array import unscaled
 from jax_scalify.core.measure import narrowed_within_range
 from jax_scalify.core.scaling import (
     mul_data,
     numpy_api,
     rebalance_stacked,
-    unscaled,
     with_scalar_scale,
 )
 
