@@ -45,7 +45,7 @@ from .core.custom_scale import custom_scale
 from .core.interpreter import is_tracing_user_code, scalify
 from .core.measure import Norm
 from .core.sites import mark_rescaled
-from .lax.primitives import set_scaling, stop_scaling
+from .lax.primitives import rebalance, set_scaling, stop_scaling
 from .ops.rescaling import dynamic_rescale
 
 PyTree = Any
@@ -195,8 +195,8 @@ def _rescaled(tree: PyTree, rescale: Norm | None) -> PyTree:
     One ``dynamic_rescale`` of all of them: their statistics are computed in one batch, and
     arrays the rescale policy has just rescaled (the gradients) are not rescaled twice.
     """
-    if rescale is None:
-        return tree
+    if rescale is None:  # plain float32 values get scale 1; scaled leaves keep theirs
+        return jax.tree.map(lambda x: rebalance(x, np.float32(1)) if _is_narrowed(x) else x, tree)
     leaves, treedef = jax.tree.flatten(tree)
     where = [i for i, x in enumerate(leaves) if _is_narrowed(x)]
     for i, x in zip(where, dynamic_rescale([leaves[i] for i in where], rescale)):
@@ -232,15 +232,25 @@ def _zeros_to_smallest_subnormal_rule(x: ScaledArray, dtype: np.dtype) -> Scaled
     return ScaledArray(_plain_zeros_to_smallest_subnormal(x.data, dtype), x.scale)
 
 
-def _widen_state(state: PyTree) -> PyTree:
-    """The stored state widened to float32, the fields Optax divides by kept off zero (see above)."""
+def _values(tree: PyTree) -> PyTree:
+    """Floating leaves as plain float32 values (``data * scale``); others untouched. Runs under scalify.
+
+    The inner transformation computes in float32, whose range holds every value a
+    narrow scaled leaf holds: on plain values its arithmetic is exactly Optax's in float32,
+    with no scale arithmetic beside it.
+    """
+    return jax.tree.map(lambda x: stop_scaling(x, WORK_DTYPE) if _is_floating(x) else x, tree)
+
+
+def _state_values(state: PyTree) -> PyTree:
+    """The stored state as float32 values, the fields Optax divides by kept off zero (see above)."""
 
     def widen(path, x):
         if not _is_floating(x):
             return x
         if _is_narrowed(x) and _is_divisor(path) and np.dtype(x.dtype).itemsize < WORK_DTYPE.itemsize:
-            return _zeros_to_smallest_subnormal(x.astype(WORK_DTYPE), np.dtype(x.dtype))
-        return x.astype(WORK_DTYPE)
+            x = _zeros_to_smallest_subnormal(x.astype(WORK_DTYPE), np.dtype(x.dtype))
+        return stop_scaling(x, WORK_DTYPE)
 
     return jax.tree_util.tree_map_with_path(widen, state)
 
@@ -430,8 +440,9 @@ def _carried(params: PyTree, residual: PyTree) -> PyTree:
     """
     if params is None:
         return None
+    value = lambda x: _values(x) if x is not None else None  # noqa: E731
     return jax.tree.map(
-        lambda p, r: p.astype(WORK_DTYPE) + r.astype(WORK_DTYPE) if _is_narrow_param(p) else _widen(p),
+        lambda p, r: value(p) + value(r) if _is_narrow_param(p) else value(p),
         params,
         residual,
         is_leaf=lambda x: x is None,
@@ -591,10 +602,9 @@ def scale_state(
     @scalify
     def update_stored(updates, state, params, extra_args):
         inner_state, params32 = (
-            (state.inner, _carried(params, state.residual)) if compensate else (state, _widen(params))
+            (state.inner, _carried(params, state.residual)) if compensate else (state, _values(params))
         )
-        updates32 = _widen(_rescaled(updates, rescale))
-        new_updates, new_state = inner.update(updates32, _widen_state(inner_state), params32, **extra_args)
+        new_updates, new_state = inner.update(_values(updates), _state_values(inner_state), params32, **extra_args)
         new_updates, new_state = _cast_like(_rescaled(new_updates, rescale), updates), _store(new_state, storage)
         if not compensate:
             return new_updates, new_state
