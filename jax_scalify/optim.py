@@ -6,11 +6,12 @@ its hyperparameters:
 
 - the state is stored as ``ScaledArray(data, scale)`` leaves whose data has the storage
   dtype (float16 by default) and a unit root mean square;
-- the inner update runs on float32 data (the stored data widened, the scales kept), so
-  ``eps = 1e-8`` or ``1e-16`` and the bias corrections are what they are in FP32;
+- the inner update runs on plain float32 values (``data * scale`` of the stored state and
+  of the gradients), so ``eps = 1e-8`` or ``1e-16`` and the bias corrections are what they
+  are in FP32, and no scale arithmetic runs beside Optax's;
 - the new state is dynamically rescaled (its RMS moved into the scale) and narrowed again;
-  the incoming gradients and the outgoing updates are rescaled the same way, so the
-  parameters' scales follow their data whatever the gradients' propagated scales are.
+  the outgoing updates are rescaled the same way, so the parameters' scales follow their
+  data whatever the gradients' propagated scales were.
 
 Example (scaled FP16 weights, gradients and Adam moments)::
 
@@ -486,9 +487,9 @@ def scale_state(
       ``b * m + (1 - b) * g`` takes the scale of ``g`` (the sum rule ignores a scale-0
       operand). Integer leaves (step counts), floating scalars (injected
       hyperparameters) and other leaves are kept as they are, never cast.
-    - ``update(updates, state, params, **extra_args)``: widens the stored data to
-      float32 (scales kept), runs ``inner.update`` on the rescaled float32 gradients
-      (``extra_args`` are passed on if ``inner`` takes them), then moves each new state
+    - ``update(updates, state, params, **extra_args)``: reads the stored state and the
+      gradients as plain float32 values, runs ``inner.update`` on them (``extra_args`` are
+      passed on if ``inner`` takes them), then moves each new state
       array's statistic ``rescale`` (root mean square by default) into its scale and
       narrows its data to ``dtype`` (a stored zero of a divisor such as ``nu`` is widened as
       ``dtype``'s smallest subnormal: below). The updates are rescaled too and come back in the
@@ -501,14 +502,13 @@ def scale_state(
       train like FP32).
 
     Why each step is needed: in FP16 ``eps = 1e-8`` is 0 and ``mu / (sqrt(nu) + eps)`` is
-    ``0 / 0`` wherever a gradient entry is zero, so the arithmetic is float32. The scale
-    of an exponential moving average ``b * m + (1 - b) * g`` propagated by the scale rules
-    does not follow its data, which would over- or underflow in FP16 after a few steps, so
-    each new state array is rescaled to unit RMS before being narrowed. The gradients'
-    propagated scales need not follow their data either (the backward pass's rules assume
-    unit-scaled inputs); SGD and Lion pass that scale on to the update, and
-    ``params + update`` then drifts the parameters' scale step after step, so gradients and
-    updates are rescaled as well (Adam's ``mu / sqrt(nu)`` cancels the gradient's scale).
+    ``0 / 0`` wherever a gradient entry is zero, so the arithmetic is float32; float32
+    holds every value of a narrow scaled leaf, so it runs on plain values, where scale
+    rules would only add scalar work. Each new state array is rescaled to unit RMS before
+    being narrowed, so its FP16 data neither over- nor underflow as the moments move. The
+    updates are rescaled too: SGD and Lion pass the gradients' magnitude on to them, and at
+    a scale that did not follow their data ``params + update`` would drift the parameters'
+    scale step after step.
 
     Small entries: one scale per tensor gives float16 data about 40 binades around a unit
     RMS, and a second moment spans the square of its gradient's range (gradients 2**-12
@@ -571,8 +571,8 @@ def scale_state(
             that is named here.
         rescale: the statistic moved into the scale before narrowing: ``"l2"`` (root mean
             square), ``"l1"``, ``"max"``, a callable ``norm(data) -> scalar``, or None to
-            keep the propagated scales (unsafe below float32). Applied to the incoming
-            gradients, the new state and the outgoing updates.
+            store values at scale 1, where the active rescale policy leaves them (unsafe below
+            float32). Applied to the new state and the outgoing updates.
         compensate: carry the part of each update that weights narrower than float32 round
             away to the next update (below); ``update`` then needs ``params``.
 

@@ -694,6 +694,22 @@ def test_the_residual_is_stored_scaled_and_float32_weights_leave_it_zero():
     assert_pow2_scales(new_state)
 
 
+def test_rescale_none_stores_values_at_scale_one_and_updates_like_the_plain_optimizer():
+    """``rescale=None``: no statistic; the new state is stored at scale 1 (which a static policy
+    leaves), and the update is Adam's in float32."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(3, 2)}
+    grads = {"w": jnp.full((3, 2), 0.25, jnp.float32)}
+    tx = scale_state(optax.adam(1e-2), jnp.float32, rescale=None, compensate=False)
+    update = jax.jit(jsa.scalify(tx.update, policy=jsa.RescalePolicy.static()))
+    updates, state = update(jsa.as_scaled_array(grads), tx.init(params), params)
+    plain_updates, plain_state = optax.adam(1e-2).update(grads, optax.adam(1e-2).init(params), params)
+    chex.assert_trees_all_close(jsa.asarray(updates), plain_updates, rtol=1e-6)
+    for leaf, plain in zip(jax.tree.leaves(state, is_leaf=jsa.is_scaled_leaf), jax.tree.leaves(plain_state)):
+        if isinstance(leaf, jsa.ScaledArray):
+            assert float(leaf.scale) == 1.0, leaf.scale
+        chex.assert_trees_all_close(jsa.asarray(leaf), plain, rtol=1e-6)
+
+
 def test_update_without_params_says_to_pass_them():
     tx = scale_state(optax.adam(1e-3), jnp.float16)
     params = {"w": jnp.ones((2, 2))}

@@ -333,7 +333,8 @@ def constant_raises_scale(operands: Sequence[ScaledArray], above: float = 2.0**8
 def largest_scale(operands: Sequence[ScaledArray]) -> Array:
     """The largest scale among the operands that have one (any-scale operands skipped).
 
-    Operands sharing one scale object count once (no ``max(s, s)`` equation). If the largest of several scales is 0
+    An infinite scale counts only if every scale is (:func:`largest_finite`). Operands sharing
+    one scale object count once (no ``max(s, s)`` equation). If the largest of several scales is 0
     (every operand asserted zero), or of one scale beside an any-scale ±inf, the result is 1,
     so rescaling to it gives 0 rather than ``0 / 0`` and the inf stays inf rather than
     ``inf * 0``. Next to other operands, a trace-time constant counts with the smallest
@@ -375,8 +376,23 @@ def _may_be_infinite(x: ScaledArray) -> bool:
 def _largest(scales: Sequence[Array]) -> Array:
     out = scales[0]
     for s in scales[1:]:
-        out = scale_max(out, s)
+        out = largest_finite(out, s)
     return out
+
+
+def largest_finite(a: Array, b: Array) -> Array:
+    """The larger of two scales if it is finite, else the smaller one (4 equations for traced scales).
+
+    A traced scale is inf where an unguarded product of scales overflowed
+    (:func:`scaled_product`): its operand's values are ±inf (or nan) at any finite scale, so
+    a common scale aligned to inf would only flush the finite operands to ``0 * inf``. At the
+    largest finite scale the finite operands keep their values and the infinite ones become
+    ±inf data, as plain float32 gives.
+    """
+    hi, lo = scale_max(a, b), scale_min(a, b)
+    if is_numpy(hi) and is_numpy(lo):
+        return np.where(hi < np.inf, hi, lo).astype(hi.dtype)
+    return select(hi < np.inf, hi, lo)
 
 
 def known_scale_reach(dtype: Any) -> np.ndarray:
@@ -407,10 +423,16 @@ def widen(data: Array) -> Array:
 
 
 def scaled_from_value(result: Array, dtype: Any, scale: Array) -> ScaledArray:
-    """A value computed in float32 as a ``ScaledArray`` of data dtype ``dtype`` and ``scale``."""
+    """A value computed in float32 as a ``ScaledArray`` of data dtype ``dtype`` and ``scale``.
+
+    The data are ``result * (2 / scale) * 0.5``: XLA:CPU divides an array by a scalar through
+    its reciprocal, which for a scale of ``2**127`` is subnormal and flushed to 0.
+    """
     scale = as_scale(scale)
     if not (is_numpy(scale) and np.all(scale == 1)):
-        result = result / jnp.asarray(scale).astype(result.dtype)
+        with np.errstate(divide="ignore"):  # an asserted zero's data are inf or nan, as before
+            twice_inverse = np.asarray(2, scale.dtype) / scale
+        result = result * jnp.asarray(twice_inverse).astype(result.dtype) * np.asarray(0.5, result.dtype)
     return ScaledArray(result.astype(dtype), scale)
 
 
@@ -601,18 +623,22 @@ def bind_aligned(prim: Primitive, operands: Sequence[ScaledArray], *others: Arra
 def rebalance_stacked(data: Array, scales: Array) -> ScaledArray:
     """One ``ScaledArray`` from stacked data (axis 0) with one scale per slice.
 
-    The common scale is the largest; every slice is multiplied by ``its scale / largest``,
-    a power of two at most 1, so values are kept exactly unless they are more than the
-    data dtype's range below the largest slice (then they underflow, as in any tensor
-    with one scale). A largest scale of 0 (all slices asserted zero) keeps the data.
+    The common scale is the largest finite one; every slice is multiplied by ``its scale /
+    common``, a power of two at most 1, so values are kept exactly unless they are more than
+    the data dtype's range below the largest slice (then they underflow, as in any tensor
+    with one scale). A slice with an infinite scale (an overflowed product of scales) gets
+    ±inf data, as its values are in plain float32, and leaves the others finite. All slices
+    asserted zero (scale 0) keep their data at scale 0.
     """
     scales = jnp.asarray(scales)
     if data.shape[0] == 0:
         return ScaledArray(data, jnp.ones((), scales.dtype))
-    top = jnp.max(scales)
-    is_zero = top == 0
-    safe_top = select(is_zero, jnp.ones((), top.dtype), top).astype(jnp.float32)
-    ratio = select(is_zero, jnp.ones(scales.shape, jnp.float32), scales.astype(jnp.float32) / safe_top)
+    zero, one = jnp.zeros((), scales.dtype), jnp.ones((), scales.dtype)
+    finite_top = jnp.max(select(scales < np.inf, scales, jnp.zeros_like(scales)))
+    top = select(finite_top > 0, finite_top, select(jnp.max(scales) > 0, one, zero))
+    safe_top = select(top > 0, top, one).astype(jnp.float32)
+    quotient = scale_quotient(scales.astype(jnp.float32), safe_top)  # XLA:CPU's s / 2**127 flushes to 0
+    ratio = select(top > 0, quotient, jnp.ones(scales.shape, jnp.float32))
     ratio = ratio.reshape((ratio.shape[0],) + (1,) * (data.ndim - ratio.ndim) + ratio.shape[1:])
     return ScaledArray(mul_data(data, ratio), top)
 

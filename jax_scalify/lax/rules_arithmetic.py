@@ -39,6 +39,7 @@ from ..core.scaling import (
     constant_raises_scale,
     is_any_scale,
     is_numpy,
+    largest_finite,
     largest_scale,
     mul_data,
     narrow_range,
@@ -107,8 +108,11 @@ def _sum_scale(a: ScaledArray, b: ScaledArray) -> Array:
 
     For power-of-two scales (the contract, see :func:`~jax_scalify.core.pow2.scales_are_pow2`)
     and the default rounding down, this is exactly ``hi`` (``1 <= sqrt(1 + (lo/hi)**2) <= sqrt(2)``),
-    with the same 1 for a zero or nan result and for two infinite scales: three cheap
-    equations instead of the general formula.
+    with 1 for a zero or nan result: seven cheap equations instead of the general formula.
+    An infinite scale (an overflowed product of scales) defers to a finite one
+    (:func:`largest_finite`): finite operands keep their values beside an infinite one. Two
+    infinite scales give 1, where both operands' data become ±inf, and ``inf - inf`` is nan
+    as in plain float32 (their data, at unknown true scales, cannot be added).
     """
     if is_any_scale(a) and is_any_scale(b):
         return as_scale(1)
@@ -123,10 +127,11 @@ def _sum_scale(a: ScaledArray, b: ScaledArray) -> Array:
     if sa is sb:  # one scale object: hi = lo = s, and pow2(sqrt(2) * s) is s when rounding down
         if get_scalify_config().rounding_mode == Pow2RoundMode.DOWN:
             return sa
-    hi, lo = scale_max(sa, sb), scale_min(sa, sb)
     one = as_scale(1)
     if get_scalify_config().rounding_mode == Pow2RoundMode.DOWN:
-        return select((hi > 0) & (lo != np.inf), hi, one)
+        common = largest_finite(sa, sb)
+        return select((common > 0) & (common < np.inf), common, one)
+    hi, lo = scale_max(sa, sb), scale_min(sa, sb)
     # Where hi <= 0 or a scale is nan the result is 1 whatever the ratio (0 * inf and nan
     # propagate to the final guard), so the ratio needs no guard of its own.
     ratio = lo / hi
