@@ -694,6 +694,22 @@ def test_the_residual_is_stored_scaled_and_float32_weights_leave_it_zero():
     assert_pow2_scales(new_state)
 
 
+def test_float32_storage_gives_optaxs_float32_updates_bit_for_bit():
+    """The inner update runs on plain float32 values, so with float32 storage (power-of-two
+    rescales only) the updates are jitted Optax's, bit for bit, step after step."""
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.standard_normal((16, 16)) * 0.05, jnp.float32)}
+    tx = scale_state(optax.adam(3e-3), jnp.float32, compensate=False)
+    plain = optax.adam(3e-3)
+    update, plain_update = jax.jit(jsa.scalify(tx.update)), jax.jit(plain.update)
+    state, plain_state = tx.init(params), plain.init(params)
+    for _ in range(8):
+        grads = {"w": jnp.asarray(rng.standard_normal((16, 16)) * 1e-3, jnp.float32)}
+        updates, state = update(jsa.as_scaled_array(grads), state, params)
+        expected, plain_state = plain_update(grads, plain_state, params)
+        np.testing.assert_array_equal(np.asarray(jsa.asarray(updates["w"])), np.asarray(expected["w"]))
+
+
 def test_rescale_none_stores_values_at_scale_one_and_updates_like_the_plain_optimizer():
     """``rescale=None``: no statistic; the new state is stored at scale 1 (which a static policy
     leaves), and the update is Adam's in float32."""

@@ -378,7 +378,10 @@ def test_a_deep_equilibrium_layer_trains_in_float16():
             losses.append(float(loss))
         return np.asarray(losses)
 
-    expected = train(optax.adam(3e-3), params, fp16=False)
+    # The float32 run starts from the weights the float16 run starts from (rounded to float16):
+    # from the float32 ones, float32 itself ends 1-2% away at step 99 (measured).
+    rounded = jax.tree.map(lambda w: w.astype(jnp.float16).astype(jnp.float32), params)
+    expected = train(optax.adam(3e-3), rounded, fp16=False)
     got = train(jsa.optim.scale_state(optax.adam(3e-3), jnp.float16), params, fp16=True)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got[:100], expected[:100], rtol=2e-2)
