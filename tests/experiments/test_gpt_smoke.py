@@ -49,10 +49,11 @@ SLOW = {
     "scalify_fp16_manual",
     "scalify_fp16_master_manual",
     "scalify_fp8_manual",
-    "scalify_fp8_fp16_adam",  # its parts run in scalify_fp8 and scalify_fp16_fp16_adam
+    "scalify_fp8_fp16_adam",  # its parts run in scalify_fp16_fp16_adam and the FP8 runs named below
     "scalify_fp8_fp16_adam_manual",
     "scalify_fp16",  # the recipe trains in scalify_fp16_fp16_adam (FP16 weights and moments)
-    "scalify_fp16_master",  # FP16 weights with float32 moments: its parts run in scalify_fp16_fp16_adam and scalify_fp8
+    "scalify_fp16_master",  # FP16 weights with float32 moments: its parts run in scalify_fp16_fp16_adam
+    "scalify_fp8",  # FP8 training: test_digits_smoke.py and tests/nn/test_linear.py (default run), tests/programs (slow)
 }
 
 

@@ -1,6 +1,7 @@
 """The scale-analysis example of docs/scale_analysis.md: what its charts show, as numbers."""
 
 import numpy as np
+import pytest
 
 import jax_scalify as jsa
 from experiments import scale_analysis
@@ -12,6 +13,7 @@ def _log2_data(report: jsa.analysis.ScaleReport, phase: str, dtype=None) -> np.n
     return values[np.isfinite(values)]  # all-zero values have no log2
 
 
+@pytest.mark.slow  # 15 s: traces and records the example twice; the recorder has its own tests
 def test_static_scales_leave_the_backward_data_small_and_the_default_policy_keeps_it_near_unit_size():
     static = scale_analysis.analyse(rescale_grad=False, policy=jsa.RescalePolicy.static())
     default = scale_analysis.analyse(rescale_grad=False, policy=jsa.RescalePolicy())
