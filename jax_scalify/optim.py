@@ -193,10 +193,10 @@ def _widened_values(params: PyTree) -> PyTree:
 def _rescaled(tree: PyTree, rescale: Norm | None) -> PyTree:
     """Floating arrays of ``tree`` with their statistic moved into the scale (values unchanged).
 
-    One ``dynamic_rescale`` of all of them: their statistics are computed in one batch, and
-    arrays the rescale policy has just rescaled (the gradients) are not rescaled twice.
+    One ``dynamic_rescale`` of all of them: their statistics are computed in one batch.
+    ``rescale=None``: plain values get scale 1, scaled ones keep theirs.
     """
-    if rescale is None:  # plain float32 values get scale 1; scaled leaves keep theirs
+    if rescale is None:
         return jax.tree.map(lambda x: rebalance(x, np.float32(1)) if _is_narrowed(x) else x, tree)
     leaves, treedef = jax.tree.flatten(tree)
     where = [i for i, x in enumerate(leaves) if _is_narrowed(x)]
@@ -483,9 +483,8 @@ def scale_state(
       state alone with ``compensate=False``). Runs ``inner.init`` on the float32 values of ``params`` (plain
       arrays or ``ScaledArray`` leaves). Every floating state array of at least one
       dimension becomes a ``ScaledArray`` with ``dtype`` data and unit-RMS data; an
-      all-zero array (a fresh moment) gets scale 0, "asserted zero", so the first
-      ``b * m + (1 - b) * g`` takes the scale of ``g`` (the sum rule ignores a scale-0
-      operand). Integer leaves (step counts), floating scalars (injected
+      all-zero array (a fresh moment) gets scale 0, "asserted zero" (its value is 0, and
+      a sum with it takes the other operand's scale). Integer leaves (step counts), floating scalars (injected
       hyperparameters) and other leaves are kept as they are, never cast.
     - ``update(updates, state, params, **extra_args)``: reads the stored state and the
       gradients as plain float32 values, runs ``inner.update`` on them (``extra_args`` are
@@ -571,8 +570,8 @@ def scale_state(
             that is named here.
         rescale: the statistic moved into the scale before narrowing: ``"l2"`` (root mean
             square), ``"l1"``, ``"max"``, a callable ``norm(data) -> scalar``, or None to
-            store values at scale 1, where the active rescale policy leaves them (unsafe below
-            float32). Applied to the new state and the outgoing updates.
+            store values at scale 1 (the active rescale policy's ``outputs`` site may still
+            move them; unsafe below float32). Applied to the new state and the outgoing updates.
         compensate: carry the part of each update that weights narrower than float32 round
             away to the next update (below); ``update`` then needs ``params``.
 
