@@ -441,9 +441,8 @@ def _carried(params: PyTree, residual: PyTree) -> PyTree:
     """
     if params is None:
         return None
-    value = lambda x: _values(x) if x is not None else None  # noqa: E731
     return jax.tree.map(
-        lambda p, r: value(p) + value(r) if _is_narrow_param(p) else value(p),
+        lambda p, r: _values(p) + _values(r) if _is_narrow_param(p) else _values(p),
         params,
         residual,
         is_leaf=lambda x: x is None,
