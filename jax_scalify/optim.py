@@ -5,13 +5,13 @@ SGD with momentum, chains, schedules, ``inject_hyperparams`` ...) without changi
 its hyperparameters:
 
 - the state is stored as ``ScaledArray(data, scale)`` leaves whose data has the storage
-  dtype (float16 by default) and a unit root mean square;
+  dtype (float16 by default), the largest entry at the top of its range;
 - the inner update runs on plain float32 values (``data * scale`` of the stored state and
   of the gradients), so ``eps = 1e-8`` or ``1e-16`` and the bias corrections are what they
   are in FP32, and no scale arithmetic runs beside Optax's;
-- the new state is dynamically rescaled (its RMS moved into the scale) and narrowed again;
-  the outgoing updates are rescaled the same way, so the parameters' scales follow their
-  data whatever the gradients' propagated scales were.
+- the new state is narrowed again, its largest entry at the top of the range (one
+  reduction per tensor); the outgoing updates get their RMS as scale (one reduction each),
+  so the parameters' scales follow their data whatever the gradients' propagated scales were.
 
 Example (scaled FP16 weights, gradients and Adam moments)::
 
@@ -44,7 +44,7 @@ import optax
 from .core.array import ScaledArray, asarray, is_concrete, is_floating_dtype, is_scaled_leaf, unscaled
 from .core.custom_scale import custom_scale
 from .core.interpreter import is_tracing_user_code, scalify
-from .core.measure import Norm
+from .core.measure import Norm, narrowed_for_storage, rescale_scaled_arrays
 from .core.sites import mark_rescaled
 from .lax.primitives import rebalance, set_scaling, stop_scaling
 from .ops.rescaling import dynamic_rescale
@@ -190,17 +190,34 @@ def _widened_values(params: PyTree) -> PyTree:
     return _widen(asarray(params))
 
 
+_one_pass_rescaled = custom_scale(lambda xs, norm: xs, static_argnums=(1,))
+
+
+@_one_pass_rescaled.defscale
+def _one_pass_rescaled_rule(xs: list[ScaledArray], norm: str) -> list[ScaledArray]:
+    """Each statistic in one reduction (:func:`~jax_scalify.core.measure.rescale_scaled_arrays`, ``one_pass``)."""
+    return rescale_scaled_arrays(list(xs), norm, None, one_pass=True)
+
+
 def _rescaled(tree: PyTree, rescale: Norm | None) -> PyTree:
     """Floating arrays of ``tree`` with their statistic moved into the scale (values unchanged).
 
-    One ``dynamic_rescale`` of all of them: their statistics are computed in one batch.
-    ``rescale=None``: plain values get scale 1, scaled ones keep theirs.
+    ``"l2"`` and ``"l1"``: each statistic is one reduction with clamped terms, exact for
+    entries in ``[2**-60, 2**50]`` (float32 updates of any training that is not diverging
+    are), else a bound that moves the data towards unit size. Other statistics:
+    ``dynamic_rescale``. ``rescale=None``: plain values get scale 1, scaled ones keep theirs.
     """
     if rescale is None:
         return jax.tree.map(lambda x: rebalance(x, np.float32(1)) if _is_narrowed(x) else x, tree)
     leaves, treedef = jax.tree.flatten(tree)
     where = [i for i, x in enumerate(leaves) if _is_narrowed(x)]
-    for i, x in zip(where, dynamic_rescale([leaves[i] for i in where], rescale)):
+    narrowed = [leaves[i] for i in where]
+    one_pass = rescale in ("l1", "l2") and all(np.dtype(x.dtype) == WORK_DTYPE for x in narrowed)
+    if one_pass:  # scaled, so that the rule applies
+        narrowed = _one_pass_rescaled([rebalance(x, np.float32(1)) for x in narrowed], rescale)
+    else:
+        narrowed = dynamic_rescale(narrowed, rescale)
+    for i, x in zip(where, narrowed):
         leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)
 
@@ -229,8 +246,13 @@ _zeros_to_smallest_subnormal = custom_scale(_plain_zeros_to_smallest_subnormal, 
 
 @_zeros_to_smallest_subnormal.defscale
 def _zeros_to_smallest_subnormal_rule(x: ScaledArray, dtype: np.dtype) -> ScaledArray:
-    """On the stored data (in units of its scale), which is where ``dtype`` rounded; the scale is kept."""
-    return ScaledArray(_plain_zeros_to_smallest_subnormal(x.data, dtype), x.scale)
+    """On the stored data (in units of its scale), which is where ``dtype`` rounded; the scale is kept.
+
+    A stored tensor is all zeros exactly when its scale is 0 (:func:`_store`): no reduction.
+    """
+    tiny = jnp.asarray(jnp.finfo(dtype).smallest_subnormal, x.dtype)
+    floor = jnp.where(x.scale != 0, tiny, jnp.zeros((), x.dtype))
+    return ScaledArray(jnp.where(x.data == 0, floor, x.data), x.scale)
 
 
 def _values(tree: PyTree) -> PyTree:
@@ -256,18 +278,28 @@ def _state_values(state: PyTree) -> PyTree:
     return jax.tree_util.tree_map_with_path(widen, state)
 
 
-def _store_leaf(x: Any, dtype: np.dtype) -> Any:
-    if not _is_floating(x):
-        return x
-    if not _is_narrowed(x):
-        return stop_scaling(x)  # scalars (learning rates, loss values) stay plain
-    return x.astype(dtype)
+_stored = custom_scale(lambda xs, dtypes: [x.astype(d) for x, d in zip(xs, dtypes)], static_argnums=(1,))
+
+
+@_stored.defscale
+def _stored_rule(xs: list[ScaledArray], dtypes: tuple[np.dtype, ...]) -> list[ScaledArray]:
+    """Each largest entry at the top of its dtype's range (:func:`~jax_scalify.core.measure.narrowed_for_storage`)."""
+    return [mark_rescaled(x) for x in narrowed_for_storage(xs, dtypes)]
 
 
 def _store(state: PyTree, storage: _Storage) -> PyTree:
-    """Rescale and narrow every array leaf of a (float32, scaled) state. Runs under scalify."""
-    state = _rescaled(state, storage.rescale)
-    return jax.tree_util.tree_map_with_path(lambda path, x: _store_leaf(x, storage.dtype_at(path)), state)
+    """Narrow every array leaf of a float32 state for storage; floating scalars stay plain. Runs under scalify."""
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    leaves = [stop_scaling(x) if _is_floating(x) and not _is_narrowed(x) else x for _, x in paths_leaves]
+    where = [i for i, x in enumerate(leaves) if _is_narrowed(x)]
+    dtypes = tuple(np.dtype(storage.dtype_at(paths_leaves[i][0])) for i in where)
+    if storage.rescale is None:
+        stored = [rebalance(leaves[i], np.float32(1)).astype(d) for i, d in zip(where, dtypes)]
+    else:  # promoted to scaled arrays, so that the rule applies
+        stored = _stored([rebalance(leaves[i], np.float32(1)) for i in where], dtypes)
+    for i, x in zip(where, stored):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def _assert_zero_or_unit(x: Any) -> Any:
@@ -481,16 +513,18 @@ def scale_state(
     - ``init(params)``: returns ``CompensatedState(inner=..., residual=...)`` (the inner
       state alone with ``compensate=False``). Runs ``inner.init`` on the float32 values of ``params`` (plain
       arrays or ``ScaledArray`` leaves). Every floating state array of at least one
-      dimension becomes a ``ScaledArray`` with ``dtype`` data and unit-RMS data; an
+      dimension becomes a ``ScaledArray`` with ``dtype`` data, its largest entry in
+      ``(2**(t-1), 2**t]`` with ``2**t`` half the largest power of two of ``dtype``
+      (``2**14`` for float16, ``2**7`` for E4M3; ``2**14`` for wider dtypes); an
       all-zero array (a fresh moment) gets scale 0, "asserted zero" (its value is 0, and
       a sum with it takes the other operand's scale). Integer leaves (step counts), floating scalars (injected
       hyperparameters) and other leaves are kept as they are, never cast.
     - ``update(updates, state, params, **extra_args)``: reads the stored state and the
       gradients as plain float32 values, runs ``inner.update`` on them (``extra_args`` are
-      passed on if ``inner`` takes them), then moves each new state
-      array's statistic ``rescale`` (root mean square by default) into its scale and
-      narrows its data to ``dtype`` (a stored zero of a divisor such as ``nu`` is widened as
-      ``dtype``'s smallest subnormal: below). The updates are rescaled too and come back in the
+      passed on if ``inner`` takes them), then stores each new state array as ``init``
+      does (a stored zero of a divisor such as ``nu`` is widened as ``dtype``'s smallest
+      subnormal: below). The updates get their statistic ``rescale`` (root mean square
+      by default) as scale and come back in the
       dtypes of the incoming ``updates``, as ScaledArrays if those were, and, for weights
       narrower than float32, hold what the weights can take (the rest is carried: "Weights
       narrower than float32" below). It works inside
@@ -502,15 +536,18 @@ def scale_state(
     Why each step is needed: in FP16 ``eps = 1e-8`` is 0 and ``mu / (sqrt(nu) + eps)`` is
     ``0 / 0`` wherever a gradient entry is zero, so the arithmetic is float32; float32
     holds every value of a narrow scaled leaf, so it runs on plain values, where scale
-    rules would only add scalar work. Each new state array is rescaled to unit RMS before
-    being narrowed, so its FP16 data neither over- nor underflow as the moments move. The
-    updates are rescaled too: SGD and Lion pass the gradients' magnitude on to them, and at
-    a scale that did not follow their data ``params + update`` would drift the parameters'
-    scale step after step.
+    rules would only add scalar work. Each new state array is stored with its largest
+    entry at the top of the storage dtype's range: nothing overflows, and every entry keeps
+    the most binades above the subnormals that one scale per tensor allows (placed by its
+    RMS, an entry ``2**16`` times the RMS would overflow float16, and the rest would sit
+    nearer the subnormals). The stored data are only read back into float32, never computed
+    on. The updates, which ``params + updates`` computes on, get a unit RMS instead: SGD
+    and Lion pass the gradients' magnitude on to them, and at a scale that did not follow
+    their data ``params + update`` would drift the parameters' scale step after step.
 
-    Small entries: one scale per tensor gives float16 data about 40 binades around a unit
-    RMS, and a second moment spans the square of its gradient's range (gradients 2**-12
-    below their tensor's RMS put ``nu`` below float16's smallest subnormal, where it is
+    Small entries: one scale per tensor gives float16 data 38 binades below the largest
+    entry, and a second moment spans the square of its gradient's range (gradients 2**-19
+    below their tensor's largest put ``nu`` below float16's smallest subnormal, where it is
     stored as 0). A 0 beside a first moment that is not makes Adam step by ``mu / eps``.
     The fields Optax divides by (``nu``, ``nu_max``, ``sum_of_squares``, Adafactor's
     ``v_row``/``v_col``/``v``, AdaDelta's ``e_g``) therefore have their stored zeros widened
@@ -567,10 +604,12 @@ def scale_state(
             e.g. ``{"mu": jnp.float8_e4m3fn}`` stores Adam's first moment in E4M3 and the
             rest in ``dtype``. A leaf takes the dtype of the outermost field on its path
             that is named here.
-        rescale: the statistic moved into the scale before narrowing: ``"l2"`` (root mean
-            square), ``"l1"``, ``"max"``, a callable ``norm(data) -> scalar``, or None to
-            store values at scale 1 (the active rescale policy's ``outputs`` site may still
-            move them; unsafe below float32). Applied to the new state and the outgoing updates.
+        rescale: the statistic of the outgoing updates moved into their scale: ``"l2"``
+            (root mean square; with ``"l1"`` one reduction of clamped terms, exact for
+            entries in ``[2**-60, 2**50]``), ``"l1"``, ``"max"``, a callable
+            ``norm(data) -> scalar``; or None to store the updates and the state at scale 1
+            (the active rescale policy's ``outputs`` site may still move them; unsafe below
+            float32).
         compensate: carry the part of each update that weights narrower than float32 round
             away to the next update (below); ``update`` then needs ``params``.
 

@@ -4,6 +4,7 @@ import warnings
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -188,14 +189,18 @@ def test_init_zero_moments_get_scale_zero_and_counts_stay_integers():
             assert float(leaf.scale) == 0.0 and not np.any(np.asarray(leaf.data))
 
 
-def test_init_non_zero_state_gets_unit_rms_data():
-    """A state that copies the parameters keeps their values, with unit-RMS data."""
-    tx = scale_state(optax.GradientTransformation(lambda p: dict(p), lambda u, s, p=None: (u, s)), jnp.float16)
-    copy = tx.init({"w": jnp.full((4, 4), 3e-6)}).inner["w"]
-    assert isinstance(copy, jsa.ScaledArray) and copy.dtype == jnp.float16
-    np.testing.assert_allclose(np.asarray(copy.to_array(jnp.float32)), 3e-6, rtol=1e-3)
-    rms = np.sqrt(np.mean(np.square(np.asarray(copy.data, np.float32))))
-    assert 1.0 <= rms < 2.0
+@pytest.mark.parametrize("dtype, top", [(jnp.float16, 2.0**14), (jnp.float8_e4m3fn, 2.0**7), (jnp.float32, 2.0**14)])
+def test_init_non_zero_state_has_its_largest_entry_at_the_top_of_the_range(dtype, top):
+    """A state that copies the parameters keeps their values, its largest data entry in ``(top/2, top]``."""
+    tx = scale_state(optax.GradientTransformation(lambda p: dict(p), lambda u, s, p=None: (u, s)), dtype)
+    w = jnp.asarray([[3e-6, -1e-7], [2e-9, 0.0]], jnp.float32)
+    copy = tx.init({"w": w}).inner["w"]
+    assert isinstance(copy, jsa.ScaledArray) and copy.dtype == dtype
+    np.testing.assert_allclose(
+        np.asarray(copy.to_array(jnp.float32)), w, rtol=0.07 if dtype == jnp.float8_e4m3fn else 1e-3
+    )
+    largest = np.max(np.abs(np.asarray(copy.data, np.float32)))
+    assert top / 2 < largest <= top
 
 
 def _mlp_params_in_float16():
@@ -218,6 +223,43 @@ def _assert_same_state(got, expected):
             assert float(a.scale) == float(b.scale)
             a, b = a.data, b.data
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+REDUCTIONS = ("reduce_max", "reduce_min", "reduce_sum", "reduce_or", "reduce_and", "argmax", "argmin")
+
+
+def _reductions(jaxpr) -> int:
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name in REDUCTIONS
+        count += sum(
+            _reductions(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params)
+        )
+    return count
+
+
+def test_update_takes_one_statistic_per_stored_tensor_and_one_per_update():
+    """Adam's update measures each stored moment once (its largest entry) and each update once (its RMS)."""
+    params = jsa.tree.astype(jsa.as_scaled_array({"w": jnp.full((64, 256), 0.02), "b": jnp.ones(256)}), jnp.float16)
+    tx = scale_state(optax.adam(1e-3), jnp.float16)
+    state = tx.init(params)
+    update = jsa.scalify(tx.update, policy=jsa.RescalePolicy.static())
+    assert _reductions(jax.make_jaxpr(update)(params, state, params).jaxpr) == 3 * 2  # (mu, nu, update) x 2 leaves
+
+
+def test_a_moment_that_becomes_all_zero_gets_scale_zero_and_keeps_its_zeros():
+    """All zeros are stored at scale 0, which the next update reads as "all zero": no floor, no reduction."""
+    tx = scale_state(optax.sgd(1.0, momentum=0.5), jnp.float16, compensate=False)
+    params = {"w": jnp.ones(4)}
+    state = tx.init(params)
+    _, state = jsa.scalify(tx.update)({"w": jnp.asarray([1.0, 0.0, 0.0, 0.0])}, state)
+    trace = state[0].trace["w"]
+    assert float(trace.scale) > 0 and float(jnp.max(jnp.abs(trace.data))) == 2.0**14
+    zeros = optax.TraceState(trace={"w": jsa.ScaledArray(jnp.zeros(4, jnp.float16), jnp.float32(0.0))})
+    updates, (new, _) = jsa.scalify(tx.update)({"w": jnp.zeros(4)}, (zeros, optax.EmptyState()))
+    assert float(new.trace["w"].scale) == 0.0 and not np.any(np.asarray(new.trace["w"].data))
+    np.testing.assert_array_equal(np.asarray(jsa.asarray(updates)["w"]), 0.0)
 
 
 def test_init_of_device_arrays_compiles_a_few_programs_and_matches_op_by_op():

@@ -17,7 +17,7 @@ the representation does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -403,13 +403,16 @@ def rescale_scaled_arrays(
     rounding_mode: Pow2RoundMode | None = None,
     min_scale: float | None = None,
     sparse_stay_down: bool = False,
+    one_pass: bool | None = None,
 ) -> list[ScaledArray]:
     """:func:`rescale_scaled_array` of several ``ScaledArray`` at once, their statistics computed together.
 
     The statistics of the (sampled) data are computed together (:func:`_batch_statistics`),
     so that on sharded data their all-reduces are combined into a few; each factor is then
     computed on its tensor's scalars (:func:`_joined`). ``norm`` is ``"l1"``, ``"l2"``,
-    ``"max"`` or a callable; ``rounding_mode`` defaults to the configured one.
+    ``"max"`` or a callable; ``rounding_mode`` defaults to the configured one. ``one_pass``
+    (default: where the data are sampled) takes :func:`_one_pass_statistic` of float32 data:
+    one reduction, exact for entries in ``[2**-60, 2**50]``.
 
     The policy's own case (sampled RMS, float32 scales, rounding up or down) rounds each
     statistic to a power of two in the kernel of its reduction (:func:`_pow2_rms`) and moves
@@ -421,7 +424,14 @@ def rescale_scaled_arrays(
         return []
     config = get_scalify_config()
     mode = config.rounding_mode if rounding_mode is None else rounding_mode
-    if len(xs) < 2 and sample_size is None and min_scale is None and rounding_mode is None and not callable(norm):
+    if (
+        len(xs) < 2
+        and sample_size is None
+        and min_scale is None
+        and rounding_mode is None
+        and not callable(norm)
+        and not one_pass
+    ):
         return [_rescale_whole(xs[0], norm)]
     samples = [strided_sample(jax.lax.stop_gradient(x.data), sample_size) for x in xs]
     peaks = [_relative_peak(x) if sample_size is not None else None for x in xs]
@@ -437,7 +447,7 @@ def rescale_scaled_arrays(
         factors = _pow2_rms_of_means(means, up, _stacked_or_none(peaks), _stacked_or_none(floors))
         inverses, new_scales = _moved_scales(jnp.stack([jnp.asarray(as_scale(x.scale)) for x in xs]), factors)
         return _sliced(xs, inverses, new_scales)
-    stats = _batch_statistics(samples, norm, work, one_pass=sample_size is not None)
+    stats = _batch_statistics(samples, norm, work, one_pass=sample_size is not None if one_pass is None else one_pass)
     stats = [stat if peak is None else _at_least(stat, peak) for stat, peak in zip(stats, peaks)]
     stats = [stat if floor is None else _at_least(stat, floor) for stat, floor in zip(stats, floors)]
     scales = [jnp.asarray(as_scale(x.scale)) for x in xs]
@@ -531,21 +541,22 @@ def _from_biased_exponent(e: Array) -> Array:
     return jax.lax.bitcast_convert_type(jax.lax.shift_left(e, _F32_MANTISSA_BITS), jnp.float32)
 
 
-def _pow2_rescale_exponents(stats: Array, scales: Array, up: bool) -> tuple[Array, Array]:
+def _pow2_rescale_exponents(stats: Array, scales: Array, up: bool, target: int = 0) -> tuple[Array, Array]:
     """``(1 / factors, scales * factors)`` of a batch rescale, computed on the float32 exponent fields.
 
     The same rule as :func:`rescale_factor` (the statistic rounded to a power of two moves
     into the scale; the new scale stays a normal float32; a zero, subnormal or non-finite
     statistic, or a scale that is 0, subnormal or inf, leaves the value as it is) in integer
     arithmetic: a few cheap operations without division, which XLA fuses into the kernels
-    that consume the factors instead of compiling a chain of kernels of its own.
+    that consume the factors instead of compiling a chain of kernels of its own. With
+    ``target``, the statistic moves to ``2**target`` in the data instead of to 1.
     """
     e_stat, e_scale = _biased_exponent(stats), _biased_exponent(scales)
     if up:
         mantissa = jax.lax.bitcast_convert_type(stats, jnp.int32) & 0x007FFFFF
         e_stat = e_stat + (mantissa != 0).astype(jnp.int32)
     valid = (e_stat >= 1) & (e_stat <= 254) & (e_scale >= 1) & (e_scale <= 254)
-    new_scale_exponent = jnp.clip(e_scale + e_stat - _F32_BIAS, 1, 254)
+    new_scale_exponent = jnp.clip(e_scale + e_stat - (_F32_BIAS + target), 1, 254)
     shift = jnp.where(valid, jnp.clip(new_scale_exponent - e_scale, -126, 126), 0)
     return _from_biased_exponent(_F32_BIAS - shift), jnp.where(valid, _from_biased_exponent(e_scale + shift), scales)
 
@@ -685,6 +696,49 @@ def rescaled_into_narrow(x: ScaledArray, dtype: Any, norm: Norm, sample_size: in
     peak = jnp.minimum(largest_magnitude(data) * np.float32(1 / narrow_limit(dtype)), np.float32(2.0**60))
     out = _moved_by(x, _pow2_rms(data, mode == Pow2RoundMode.UP, peak))
     return ScaledArray(out.data.astype(dtype), out.scale)
+
+
+STORAGE_TOP_EXPONENT = 14
+
+
+def _storage_target(dtype: Any) -> int:
+    return min(int(np.log2(narrow_limit(dtype))), STORAGE_TOP_EXPONENT)
+
+
+def narrowed_for_storage(xs: Sequence[ScaledArray], dtypes: Sequence[Any]) -> list[ScaledArray]:
+    """Each ``x`` (float32 data, scalar scale) cast to its ``dtype``, its largest entry moved to ``(2**(t-1), 2**t]``.
+
+    For values stored and read back, never computed on in ``dtype`` (optimizer state).
+    ``2**t`` is :func:`narrow_limit` of ``dtype``, at most ``2**14`` (float16 and E5M2:
+    ``2**14``, E4M3: ``2**7``): every entry keeps as many binades above the dtype's
+    subnormals as it can without overflow. (Placed by its root mean square, an entry more
+    than ``2**16`` times the RMS would overflow float16, and every entry would sit
+    ``2**14 * RMS / max`` times nearer the subnormals.) One reduction per tensor, the
+    largest magnitude, exact for every float32 value; the exponent arithmetic is done once
+    for the batch. All-zero data get scale 0 (asserted zero), so "all zero" can be read
+    from the scale. Non-finite or float32-subnormal data, and a scale that is 0, subnormal
+    or inf, keep their scale.
+    """
+    outs: list[ScaledArray | None] = [None] * len(xs)
+    batch = []
+    for i, (x, dtype) in enumerate(zip(xs, dtypes)):
+        usable = np.size(x.data) > 0 and np.ndim(x.scale) == 0 and np.dtype(x.data.dtype) == np.float32
+        if usable and np.dtype(as_scale(x.scale).dtype) == np.float32:
+            batch.append(i)
+        else:
+            outs[i] = narrowed_within_range(x, dtype)
+    if batch:
+        peaks = jnp.stack([largest_magnitude(jax.lax.stop_gradient(xs[i].data)) for i in batch])
+        scales = jnp.stack([jnp.asarray(as_scale(xs[i].scale), np.float32) for i in batch])
+        targets = {_storage_target(dtypes[i]) for i in batch}
+        target = (
+            targets.pop() if len(targets) == 1 else np.asarray([_storage_target(dtypes[i]) for i in batch], np.int32)
+        )
+        inverses, new_scales = _pow2_rescale_exponents(peaks, scales, up=True, target=target)
+        new_scales = _select(jax.lax.ne(peaks, jnp.zeros_like(peaks)), new_scales, 0)
+        for k, x in zip(batch, _sliced([xs[i] for i in batch], inverses, new_scales)):
+            outs[k] = ScaledArray(x.data.astype(dtypes[k]), x.scale)
+    return outs
 
 
 def rebalanced(x: ScaledArray, factor: Array) -> ScaledArray:
