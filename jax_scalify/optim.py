@@ -45,6 +45,8 @@ from .core.array import ScaledArray, asarray, is_concrete, is_floating_dtype, is
 from .core.custom_scale import custom_scale
 from .core.interpreter import is_tracing_user_code, scalify
 from .core.measure import Norm, narrowed_for_storage, rescale_scaled_arrays
+from .core.pow2 import pow2_twice_reciprocal
+from .core.scaling import select
 from .core.sites import mark_rescaled
 from .lax.primitives import rebalance, set_scaling, stop_scaling
 from .ops.rescaling import dynamic_rescale
@@ -440,22 +442,33 @@ def _carry_rule(
     scale 0 (asserted zero) takes the grid of the update's scale, as the sum in
     ``apply_updates`` will.
     """
-    f32 = lambda x: x.astype(WORK_DTYPE)  # noqa: E731
-    update_scale = jnp.where(update.scale > 0, f32(update.scale), 1.0)
-    grid = jnp.where(param.scale > 0, f32(param.scale), update_scale)
+    f32 = lambda x: jax.lax.convert_element_type(x, WORK_DTYPE)  # noqa: E731
+    one = np.float32(1)
+    update_scale = select(f32(update.scale) > 0, f32(update.scale), one)
+    has_grid = f32(param.scale) > 0
+    grid = select(has_grid, f32(param.scale), update_scale)
     unit = grid * np.float32(jnp.finfo(param.dtype).eps)  # an ulp of parameter data in [1, 2)
-    applied_scale = jnp.maximum(update_scale, unit)
+    applied_scale = jax.lax.max(update_scale, unit)
     total = f32(update.data) * f32(update.scale) + f32(residual.data) * f32(residual.scale)
-    param_units = f32(param.data) * (f32(param.scale) / grid)
-    target_units = (param_units + total / grid).astype(param.dtype)
+    param_units = f32(param.data) * select(has_grid, one, np.float32(0))  # scale 0: the value is 0
+    target_units = (param_units + _over(total, grid)).astype(param.dtype)
     applied_units = f32(target_units) - param_units
-    applied = (applied_units * (grid / applied_scale)).astype(update.dtype)
+    applied = (applied_units * _over(grid, applied_scale)).astype(update.dtype)
     left = total - f32(applied) * applied_scale
     if np.ndim(left) == 0:
         return ScaledArray(applied, applied_scale), left.astype(residual_dtype)
-    residual_scale = jnp.clip(unit * np.float32(0.5), jnp.finfo(WORK_DTYPE).tiny, jnp.finfo(WORK_DTYPE).max)
-    residual = ScaledArray((left / residual_scale).astype(residual_dtype), residual_scale)
+    residual_scale = jax.lax.clamp(jnp.finfo(WORK_DTYPE).tiny, unit * np.float32(0.5), jnp.finfo(WORK_DTYPE).max)
+    residual = ScaledArray(_over(left, residual_scale).astype(residual_dtype), residual_scale)
     return ScaledArray(applied, applied_scale), mark_rescaled(residual)  # its bound is its scale
+
+
+def _over(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x / scale`` for a power-of-two ``scale``, as ``x * (2 / scale) * 0.5`` with ``2 / scale`` from its bits.
+
+    Exact (``2 / scale`` is normal for every normal scale), and no scalar division: XLA
+    compiles one as a kernel of its own.
+    """
+    return x * pow2_twice_reciprocal(scale) * np.float32(0.5)
 
 
 def _compensated_leaf(update: Any, residual: Any, param: Any, dtype: np.dtype) -> tuple[Any, Any]:

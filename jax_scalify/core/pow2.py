@@ -309,3 +309,26 @@ def pow2_round_positive_or_one(x: Array, mode: Pow2RoundMode | None = None) -> A
         pow_bits = lax.select(lax.eq(bits, pow_bits), pow_bits, next_bits)
     rounded = lax.convert_element_type(lax.bitcast_convert_type(pow_bits, work), x.dtype)
     return lax.select(lax.gt(xw, lax.full_like(xw, 0)), rounded, one)
+
+
+def pow2_twice_reciprocal(scale: Array) -> Array:
+    """``2 / scale`` for a power-of-two ``scale``, exactly, in four integer operations on its bits.
+
+    ``2 / 2**e = 2**(1 - e)`` is a normal number for every normal ``2**e`` (``1 / 2**127``
+    would be subnormal, which XLA:CPU flushes to zero). Its bits are the exponent field
+    subtracted from the all-ones exponent field, the sign carried by the subtraction's
+    wrap-around: ``±0`` and subnormals give ``±inf``, ``±inf`` gives ``±0``, NaN gives 0.
+    XLA copies integer operations into the kernels that use them, where a scalar division
+    is compiled as a kernel of its own.
+    """
+    if not _use_bits(scale):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.asarray(2, np.asarray(scale).dtype) / scale
+    work, uint, nmant, _ = _bits_layout(scale.dtype)
+    nbits = 8 * uint.itemsize
+    u = uint.type
+    sign_and_exponent = u(((1 << nbits) - 1) ^ ((1 << nmant) - 1))
+    all_ones_exponent = u(((1 << (nbits - 1)) - 1) ^ ((1 << nmant) - 1))
+    bits = lax.bitcast_convert_type(lax.convert_element_type(scale, work), uint)
+    out = lax.sub(all_ones_exponent, lax.bitwise_and(bits, sign_and_exponent))
+    return lax.convert_element_type(lax.bitcast_convert_type(out, work), scale.dtype)

@@ -20,7 +20,7 @@ from jax_scalify.core import (
     pow2_round_down,
     pow2_round_up,
 )
-from jax_scalify.core.pow2 import pow2_round_positive_or_one, scales_are_pow2
+from jax_scalify.core.pow2 import pow2_round_positive_or_one, pow2_twice_reciprocal, scales_are_pow2
 from jax_scalify.lax import rules_arithmetic
 from tests.invariance import assert_pow2_scales
 
@@ -233,3 +233,18 @@ def test_rounding_off_takes_the_general_path_with_scales_that_are_no_powers_of_t
     mantissa = np.frexp(np.float64(got.scale))[0]
     assert mantissa != 0.5  # a scale of 3 * sqrt(2)**k: rounding is off, so none is a power of two
     np.testing.assert_allclose(np.asarray(got.to_array()), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_pow2_twice_reciprocal_is_exact_from_the_bits(dtype):
+    """``2 / s`` for every power of two (normal for every normal ``s``), ±0 -> ±inf, ±inf -> ±0, NaN -> 0."""
+    finfo = np.finfo(dtype)
+    exponents = np.arange(int(finfo.minexp), int(finfo.maxexp))
+    scales = np.concatenate([np.ldexp(1.0, exponents), -np.ldexp(1.0, exponents[::7])]).astype(dtype)
+    expected = (np.float64(2) / scales.astype(np.float64)).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(jax.jit(pow2_twice_reciprocal)(jnp.asarray(scales))), expected)
+    np.testing.assert_array_equal(pow2_twice_reciprocal(scales), expected)
+    special = jnp.asarray([0.0, -0.0, np.inf, -np.inf, np.nan, finfo.smallest_subnormal], dtype)
+    out = np.asarray(jax.jit(pow2_twice_reciprocal)(special))
+    np.testing.assert_array_equal(out, np.asarray([np.inf, -np.inf, 0.0, -0.0, 0.0, np.inf], dtype))
+    assert np.signbit(out[3]) and not np.signbit(out[2])
