@@ -37,10 +37,14 @@ class Site(enum.Enum):
       forward values (the residuals a policy may rescale first).
     - ``CAST``: a change of floating dtype (``convert_element_type``): plain data narrowed
       inside a backward pass enter it scaled.
+    - ``VALUE``: reads only the value ``data * scale``, formed in float32 or wider
+      (``stop_scaling``): how the operand is split between data and scale does not matter,
+      so a policy need not rescale what only such equations read.
     """
 
     PRODUCT = "product"
     CAST = "cast"
+    VALUE = "value"
 
 
 class ScaledPrimitiveType(enum.IntEnum):

@@ -18,7 +18,7 @@ from jax.interpreters import ad, batching, mlir
 
 from ..core.array import ScaledArray, is_floating_dtype, unscaled
 from ..core.config import get_scalify_config
-from ..core.registry import ScaledPrimitiveType, register_scaled_op
+from ..core.registry import ScaledPrimitiveType, Site, register_scaled_op
 from ..core.scaling import as_scale, mul_data
 from ..core.sites import mark_rescaled
 
@@ -176,7 +176,7 @@ batching.primitive_batchers[stop_scaling_p] = lambda args, dims, *, dtype: (
 )
 
 
-@register_scaled_op(stop_scaling_p)
+@register_scaled_op(stop_scaling_p, site=Site.VALUE)
 def scaled_stop_scaling(x: ScaledArray, *, dtype) -> Array:
     """Plain output: the value ``data * scale`` in the requested dtype."""
     return x.to_array(dtype)

@@ -26,8 +26,9 @@ class RescalePolicy(sites.ScalePolicy):
 
     Args:
         gradients: the backward pass. The gradients leaving it (every value defined by a
-            transposed equation and used by forward code or returned) are rescaled
-            together before their first forward use. Inside it: a plain array promoted where
+            transposed equation and used by forward code or returned; a use that only reads
+            the value, ``stop_scaling``, does not count) are rescaled together before their
+            first forward use. Inside it: a plain array promoted where
             it meets scaled data (the loss's cotangent times plain inputs) gets its
             statistic as scale; sums of float16/FP8 data (``reduce_sum``, ``cumsum``,
             ``scatter-add``; not collectives) are accumulated in float32 and narrowed with

@@ -15,9 +15,13 @@ from ..core.registry import Site, registered_rule
 from ..core.sites import is_backward_equation
 
 
-def _is_product(eqn) -> bool:
+def _site(eqn) -> Site | None:
     entry = registered_rule(eqn.primitive)
-    return entry is not None and entry.site is Site.PRODUCT
+    return None if entry is None else entry.site
+
+
+def _is_product(eqn) -> bool:
+    return _site(eqn) is Site.PRODUCT
 
 
 @functools.lru_cache(maxsize=4096)
@@ -42,8 +46,10 @@ def backward_product_residuals(jaxpr: Jaxpr) -> frozenset:
 def gradient_boundary(jaxpr: Jaxpr) -> frozenset:
     """Variables defined by a backward equation of ``jaxpr`` and used by a forward one or returned.
 
-    The jaxpr is assumed to be evaluated outside any backward pass (its returned values are
-    then used by forward code).
+    A forward use that reads only the value (:attr:`~jax_scalify.core.registry.Site.VALUE`,
+    as an optimizer reading the gradients in float32 does) does not count: the split of
+    data and scale does not change what it reads. The jaxpr is assumed to be evaluated
+    outside any backward pass (its returned values are then used by forward code).
     """
     backward = [is_backward_equation(e) for e in jaxpr.eqns]
     defined_backward = {v for e, b in zip(jaxpr.eqns, backward) if b for v in e.outvars if type(v) is Var}
@@ -51,7 +57,7 @@ def gradient_boundary(jaxpr: Jaxpr) -> frozenset:
         return frozenset()
     leaving = {v for v in jaxpr.outvars if isinstance(v, Var) and v in defined_backward}
     for eqn, is_bwd in zip(jaxpr.eqns, backward):
-        if not is_bwd:
+        if not is_bwd and _site(eqn) is not Site.VALUE:
             leaving.update(v for v in eqn.invars if isinstance(v, Var) and v in defined_backward)
     return frozenset(leaving)
 

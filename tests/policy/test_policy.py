@@ -643,6 +643,21 @@ def test_gradient_boundary_is_the_values_leaving_the_backward_pass():
     assert len(boundary) == 1  # the gradient, used by the update and returned; nothing inside the backward pass
 
 
+def test_gradients_read_only_as_values_are_not_at_the_boundary():
+    """A gradient only ``stop_scaling`` reads (an optimizer widening it to float32) is not rescaled:
+    its split between data and scale does not change the value read; one also used otherwise is."""
+    loss = lambda w: jnp.sum(jnp.tanh(X @ w) ** 2)  # noqa: E731
+    read = jax.make_jaxpr(lambda w: jsa.lax.stop_scaling(jax.grad(loss)(w), jnp.float32))(W).jaxpr
+    assert analyses.gradient_boundary(read) == frozenset()
+    both = jax.make_jaxpr(lambda w: (jsa.lax.stop_scaling(g := jax.grad(loss)(w), jnp.float32), g * 2))(W).jaxpr
+    assert len(analyses.gradient_boundary(both)) == 1
+    w16 = jsa.tree.astype(jsa.as_scaled_array(jnp.asarray(W)), jnp.float16)
+    got = jsa.scalify(jax.jit(lambda w: jsa.lax.stop_scaling(jax.grad(loss)(w), jnp.float32)))(w16)
+    np.testing.assert_allclose(
+        np.asarray(got), jax.grad(loss)(jnp.asarray(w16.to_array(jnp.float32))), rtol=2e-2, atol=1e-4
+    )
+
+
 def test_gradients_are_rescaled_once_in_one_batch_after_the_backward_pass(monkeypatch):
     batches = []
     original = sites.rescale_scaled_arrays
