@@ -44,7 +44,7 @@ import optax
 from .core.array import ScaledArray, asarray, is_concrete, is_floating_dtype, is_scaled_leaf, unscaled
 from .core.custom_scale import custom_scale
 from .core.interpreter import is_tracing_user_code, scalify
-from .core.measure import Norm, narrowed_for_storage, rescale_scaled_arrays
+from .core.measure import Norm, narrowed_for_storage
 from .core.pow2 import pow2_twice_reciprocal
 from .core.scaling import select
 from .core.sites import mark_rescaled
@@ -192,38 +192,6 @@ def _widened_values(params: PyTree) -> PyTree:
     return _widen(asarray(params))
 
 
-_one_pass_rescaled = custom_scale(lambda xs, norm: xs, static_argnums=(1,))
-
-
-@_one_pass_rescaled.defscale
-def _one_pass_rescaled_rule(xs: list[ScaledArray], norm: str) -> list[ScaledArray]:
-    """Each statistic in one reduction (:func:`~jax_scalify.core.measure.rescale_scaled_arrays`, ``one_pass``)."""
-    return rescale_scaled_arrays(list(xs), norm, None, one_pass=True)
-
-
-def _rescaled(tree: PyTree, rescale: Norm | None) -> PyTree:
-    """Floating arrays of ``tree`` with their statistic moved into the scale (values unchanged).
-
-    ``"l2"`` and ``"l1"``: each statistic is one reduction with clamped terms, exact for
-    entries in ``[2**-60, 2**50]`` (float32 updates of any training that is not diverging
-    are), else a bound that moves the data towards unit size. Other statistics:
-    ``dynamic_rescale``. ``rescale=None``: plain values get scale 1, scaled ones keep theirs.
-    """
-    if rescale is None:
-        return jax.tree.map(lambda x: rebalance(x, np.float32(1)) if _is_narrowed(x) else x, tree)
-    leaves, treedef = jax.tree.flatten(tree)
-    where = [i for i, x in enumerate(leaves) if _is_narrowed(x)]
-    narrowed = [leaves[i] for i in where]
-    one_pass = rescale in ("l1", "l2") and all(np.dtype(x.dtype) == WORK_DTYPE for x in narrowed)
-    if one_pass:  # scaled, so that the rule applies
-        narrowed = _one_pass_rescaled([rebalance(x, np.float32(1)) for x in narrowed], rescale)
-    else:
-        narrowed = dynamic_rescale(narrowed, rescale)
-    for i, x in zip(where, narrowed):
-        leaves[i] = x
-    return jax.tree.unflatten(treedef, leaves)
-
-
 def _plain_zeros_to_smallest_subnormal(x: Any, dtype: np.dtype) -> Any:
     """``x`` with its zeros replaced by ``dtype``'s smallest subnormal: a floor under a widened divisor.
 
@@ -280,28 +248,46 @@ def _state_values(state: PyTree) -> PyTree:
     return jax.tree_util.tree_map_with_path(widen, state)
 
 
-_stored = custom_scale(lambda xs, dtypes: [x.astype(d) for x, d in zip(xs, dtypes)], static_argnums=(1,))
+_stored = custom_scale(
+    lambda xs, dtypes, updates: ([x.astype(d) for x, d in zip(xs, dtypes)], updates), static_argnums=(1,)
+)
 
 
 @_stored.defscale
-def _stored_rule(xs: list[ScaledArray], dtypes: tuple[np.dtype, ...]) -> list[ScaledArray]:
-    """Each largest entry at the top of its dtype's range (:func:`~jax_scalify.core.measure.narrowed_for_storage`)."""
-    return [mark_rescaled(x) for x in narrowed_for_storage(xs, dtypes)]
+def _stored_rule(xs: list[ScaledArray], dtypes: tuple[np.dtype, ...], updates: list[ScaledArray]) -> tuple:
+    """:func:`~jax_scalify.core.measure.narrowed_for_storage`: the state at the top of its dtype's range, the updates at unit RMS."""
+    stored, rescaled = narrowed_for_storage(xs, dtypes, updates)
+    return [mark_rescaled(x) for x in stored], rescaled
 
 
-def _store(state: PyTree, storage: _Storage) -> PyTree:
-    """Narrow every array leaf of a float32 state for storage; floating scalars stay plain. Runs under scalify."""
+def _store(state: PyTree, storage: _Storage, updates: PyTree = None) -> tuple[PyTree, PyTree]:
+    """Narrow every array leaf of a float32 state for storage, and rescale the float32 ``updates``. Runs under scalify.
+
+    The state's largest entries and the updates' root mean squares are measured together:
+    one reduction per shape. Floating scalars stay plain. ``rescale=None``: everything at
+    scale 1; other statistics than ``"l2"``: the updates through ``dynamic_rescale``.
+    """
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     leaves = [stop_scaling(x) if _is_floating(x) and not _is_narrowed(x) else x for _, x in paths_leaves]
     where = [i for i, x in enumerate(leaves) if _is_narrowed(x)]
     dtypes = tuple(np.dtype(storage.dtype_at(paths_leaves[i][0])) for i in where)
+    update_leaves, update_def = jax.tree.flatten(updates)
+    moved = [i for i, u in enumerate(update_leaves) if _is_narrowed(u)]
+    one = np.float32(1)
     if storage.rescale is None:
-        stored = [rebalance(leaves[i], np.float32(1)).astype(d) for i, d in zip(where, dtypes)]
+        stored = [rebalance(leaves[i], one).astype(d) for i, d in zip(where, dtypes)]
+        rescaled = [rebalance(update_leaves[i], one) for i in moved]
     else:  # promoted to scaled arrays, so that the rule applies
-        stored = _stored([rebalance(leaves[i], np.float32(1)) for i in where], dtypes)
+        joint = storage.rescale == "l2" and all(np.dtype(update_leaves[i].dtype) == WORK_DTYPE for i in moved)
+        together = [rebalance(update_leaves[i], one) for i in moved] if joint else []
+        stored, rescaled = _stored([rebalance(leaves[i], one) for i in where], dtypes, together)
+        if not joint:
+            rescaled = dynamic_rescale([update_leaves[i] for i in moved], storage.rescale)
     for i, x in zip(where, stored):
         leaves[i] = x
-    return jax.tree.unflatten(treedef, leaves)
+    for i, x in zip(moved, rescaled):
+        update_leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves), jax.tree.unflatten(update_def, update_leaves)
 
 
 def _assert_zero_or_unit(x: Any) -> Any:
@@ -647,7 +633,7 @@ def scale_state(
     @_compiled_when_concrete
     @scalify
     def init_stored(state):
-        return _store(jax.tree.map(_assert_zero_or_unit, state), storage)
+        return _store(jax.tree.map(_assert_zero_or_unit, state), storage)[0]
 
     @scalify
     def update_stored(updates, state, params, extra_args):
@@ -655,7 +641,8 @@ def scale_state(
             (state.inner, _carried(params, state.residual)) if compensate else (state, _values(params))
         )
         new_updates, new_state = inner.update(_values(updates), _state_values(inner_state), params32, **extra_args)
-        new_updates, new_state = _cast_like(_rescaled(new_updates, rescale), updates), _store(new_state, storage)
+        new_state, new_updates = _store(new_state, storage, new_updates)
+        new_updates = _cast_like(new_updates, updates)
         if not compensate:
             return new_updates, new_state
         new_updates, residual = _compensated(new_updates, state.residual, params, storage)

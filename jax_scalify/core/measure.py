@@ -111,6 +111,37 @@ def largest_magnitude(data: Array) -> Array:
     return jnp.max(jnp.abs(data)).astype(np.float32)
 
 
+def batched_statistics(datas: Sequence[Array], kinds: Sequence[str]) -> list[Array]:
+    """Per array its statistic, those of one shape in one (variadic) reduction: one kernel per shape.
+
+    ``"max"``: the largest magnitude, in float32, exact; ``"mean_square"``: the mean of the
+    clamped squares of :func:`_one_pass_statistic`. Several arrays of one shape (the moments
+    and the update of one parameter, the parameters of equal layers) are read by one kernel
+    instead of one each.
+    """
+    by_shape: dict[tuple, list[int]] = {}
+    for i, d in enumerate(datas):
+        by_shape.setdefault(np.shape(d), []).append(i)
+    out: list[Array] = [None] * len(datas)
+    for shape, where in by_shape.items():
+        operands, inits, combiners = [], [], []
+        for i in where:
+            magnitudes = jnp.abs(datas[i].astype(np.float32))
+            mean_square = kinds[i] == "mean_square"
+            operands.append(_clamped_terms(magnitudes, "l2") if mean_square else magnitudes)
+            inits.append(np.float32(0))
+            combiners.append(jax.lax.add if mean_square else jax.lax.max)
+        totals = jax.lax.reduce(
+            tuple(operands),
+            tuple(inits),
+            lambda a, b, combiners=combiners: tuple(op(x, y) for op, x, y in zip(combiners, a, b)),
+            tuple(range(len(shape))),
+        )
+        for i, total in zip(where, totals):
+            out[i] = total * np.float32(1 / max(np.size(datas[i]), 1)) if kinds[i] == "mean_square" else total
+    return out
+
+
 def narrow_limit(dtype: Any) -> np.float32:
     """Half the largest power of two of a narrow ``dtype`` (``2**14`` for float16): where guarded data stop."""
     return np.float32(2.0 ** (jnp.finfo(dtype).maxexp - 2))
@@ -350,14 +381,50 @@ def _rescale_whole(x: ScaledArray, norm: Norm) -> ScaledArray:
 _TERM_FLOOR, _TERM_CEILING = 2.0**-120, 2.0**100
 
 
-def _one_pass_mean(data: Array, norm: str) -> Array:
-    """The mean of the clamped terms of :func:`_one_pass_statistic` (squares for ``"l2"``, magnitudes for ``"l1"``)."""
-    magnitudes = jnp.abs(data)
+def _clamped_terms(magnitudes: Array, norm: str) -> Array:
+    """The terms of :func:`_one_pass_statistic` (squares for ``"l2"``, magnitudes for ``"l1"``), clamped."""
     terms = jnp.square(magnitudes) if norm == "l2" else magnitudes
     floor = jnp.where(magnitudes > 0, np.float32(_TERM_FLOOR), np.float32(0))
     clamped = jnp.minimum(jnp.maximum(terms, floor), np.float32(_TERM_CEILING))
-    terms = jnp.where(jnp.isfinite(magnitudes), clamped, magnitudes)  # inf and nan data keep their scale
-    return jnp.sum(terms) * np.float32(1 / max(data.size, 1))
+    return jnp.where(jnp.isfinite(magnitudes), clamped, magnitudes)  # inf and nan data keep their scale
+
+
+def _one_pass_mean(data: Array, norm: str) -> Array:
+    """The mean of the clamped terms of :func:`_one_pass_statistic` (squares for ``"l2"``, magnitudes for ``"l1"``)."""
+    return jnp.sum(_clamped_terms(jnp.abs(data), norm)) * np.float32(1 / max(data.size, 1))
+
+
+def _mean_square_with(data: Array, *, peak: bool = False, zeros: bool = False) -> tuple[Array, ...]:
+    """``(mean of clamped squares, [largest magnitude], [fraction of zero entries])`` of float32 ``data``.
+
+    One reduction however many statistics: XLA reduces several operands of one shape in
+    one kernel (a variadic ``reduce``), where separate reductions of the same data are
+    separate kernels.
+    """
+    magnitudes = jnp.abs(data)
+    operands, inits, combiners = [_clamped_terms(magnitudes, "l2")], [np.float32(0)], [jax.lax.add]
+    if peak:
+        operands, inits, combiners = [*operands, magnitudes], [*inits, np.float32(0)], [*combiners, jax.lax.max]
+    if zeros:
+        operands.append((data == 0).astype(np.float32))
+        inits.append(np.float32(0))
+        combiners.append(jax.lax.add)
+    if len(operands) == 1:
+        totals = [jnp.sum(operands[0])]
+    else:
+        totals = jax.lax.reduce(
+            tuple(operands),
+            tuple(inits),
+            lambda a, b: tuple(op(x, y) for op, x, y in zip(combiners, a, b)),
+            tuple(range(data.ndim)),
+        )
+    inverse_size = np.float32(1 / max(data.size, 1))
+    out = [totals[0] * inverse_size]
+    if peak:
+        out.append(totals[1])
+    if zeros:
+        out.append(totals[-1] * inverse_size)
+    return tuple(out)
 
 
 def _one_pass_statistic(data: Array, norm: str) -> Array:
@@ -415,7 +482,7 @@ def rescale_scaled_arrays(
     one reduction, exact for entries in ``[2**-60, 2**50]``.
 
     The policy's own case (sampled RMS, float32 scales, rounding up or down) rounds each
-    statistic to a power of two in the kernel of its reduction (:func:`_pow2_rms`) and moves
+    statistic to a power of two in the kernel of its reduction (:func:`_pow2_rms_of_means`) and moves
     it into the scale in a dozen scalar operations (:func:`_moved_by`), which XLA copies into
     every kernel that reads the new scale: fewer compiled instructions than rounding after
     the reduction.
@@ -435,18 +502,19 @@ def rescale_scaled_arrays(
         return [_rescale_whole(xs[0], norm)]
     samples = [strided_sample(jax.lax.stop_gradient(x.data), sample_size) for x in xs]
     peaks = [_relative_peak(x) if sample_size is not None else None for x in xs]
-    floors = [
-        _sparse_floor(x, d) if sparse_stay_down and sample_size is not None else None for x, d in zip(xs, samples)
-    ]
+    floored = [sparse_stay_down and sample_size is not None and _has_sparse_floor(x, d) for x, d in zip(xs, samples)]
     work = np.float64 if any(np.dtype(d.dtype) == np.float64 for d in samples) else np.float32
     if _rms_path(xs, norm, sample_size, min_scale, mode, work):
         up = mode == Pow2RoundMode.UP
+        measured = [_mean_square_with(d.astype(np.float32), zeros=z) for d, z in zip(samples, floored)]
+        means = [m[0] for m in measured]
+        floors = [_sparse_floor(m[1]) if z else None for m, z in zip(measured, floored)]
         if len(xs) == 1:
-            return [_moved_by(xs[0], _pow2_rms(samples[0], up, peaks[0], floors[0]))]
-        means = jnp.stack([_one_pass_mean(d.astype(np.float32), "l2") for d in samples])
-        factors = _pow2_rms_of_means(means, up, _stacked_or_none(peaks), _stacked_or_none(floors))
+            return [_moved_by(xs[0], _pow2_rms_of_means(means[0], up, peaks[0], floors[0]))]
+        factors = _pow2_rms_of_means(jnp.stack(means), up, _stacked_or_none(peaks), _stacked_or_none(floors))
         inverses, new_scales = _moved_scales(jnp.stack([jnp.asarray(as_scale(x.scale)) for x in xs]), factors)
         return _sliced(xs, inverses, new_scales)
+    floors = [_sparse_floor(jnp.mean((d == 0).astype(np.float32))) if z else None for d, z in zip(samples, floored)]
     stats = _batch_statistics(samples, norm, work, one_pass=sample_size is not None if one_pass is None else one_pass)
     stats = [stat if peak is None else _at_least(stat, peak) for stat, peak in zip(stats, peaks)]
     stats = [stat if floor is None else _at_least(stat, floor) for stat, floor in zip(stats, floors)]
@@ -562,7 +630,7 @@ def _pow2_rescale_exponents(stats: Array, scales: Array, up: bool, target: int =
 
 
 def _rms_path(xs, norm, sample_size, min_scale, mode, work) -> bool:
-    """Whether the policy's statistic takes :func:`_pow2_rms` and :func:`_moved_by`: sampled RMS, float32 scales, power-of-two rounding."""
+    """Whether the policy's statistic takes :func:`_pow2_rms_of_means` and :func:`_moved_by`: sampled RMS, float32 scales, power-of-two rounding."""
     return sample_size is not None and _pow2_rms_applies(xs, norm, min_scale, mode, work)
 
 
@@ -597,19 +665,21 @@ def _relative_peak(x: ScaledArray) -> Array | None:
     return largest_magnitude(jax.lax.stop_gradient(x.data)) * np.float32(1 / narrow_limit(x.dtype))
 
 
-def _sparse_floor(x: ScaledArray, sample: Array) -> Array | None:
+def _has_sparse_floor(x: ScaledArray, sample: Array) -> bool:
+    """Whether :func:`_sparse_floor` applies: narrow data, a non-empty sample."""
+    return narrow_range(x.dtype) and np.size(sample) > 0
+
+
+def _sparse_floor(zero_fraction: Array) -> Array:
     """For narrow data whose sample is mostly zeros: 1 (the statistic may move the data down, not up); else 0.
 
     Such a value is sparse (a parameter that starts at zero and that only lookups update: a
     recommender's per-row bias), and its sample, holding the smallest of its few non-zero
     rows, would move the others past the dtype's range. Used for the values ``scalify``
     returns: a gradient needs its upward moves, and the gradient of a lookup has its own
-    guard (:func:`_relative_peak`). ``None`` for wide data.
+    guard (:func:`_relative_peak`). Wide data have none (:func:`_has_sparse_floor`).
     """
-    if not narrow_range(x.dtype) or np.size(sample) == 0:
-        return None
-    zeros = jnp.sum((sample == 0).astype(np.float32))
-    return jnp.where(zeros * 2 > np.size(sample), np.float32(1), np.float32(0))
+    return jnp.where(zero_fraction > np.float32(0.5), np.float32(1), np.float32(0))
 
 
 def _at_least(stat: Array, bound: Array) -> Array:
@@ -618,10 +688,11 @@ def _at_least(stat: Array, bound: Array) -> Array:
     return jnp.where(usable, jnp.maximum(stat, bound.astype(stat.dtype)), stat)
 
 
-def _pow2_rms(sample: Array, up: bool, peak: Array | None = None, floor: Array | None = None) -> Array:
-    """The root mean square of ``sample`` rounded to a power of two, as one kernel; 1 where it is 0 or not finite.
+def _pow2_rms_of_means(mean: Array, up: bool, peak: Array | None = None, floor: Array | None = None) -> Array:
+    """The root mean square rounded to a power of two from the mean of the clamped squares; 1 where it is 0 or not finite.
 
-    The mean of the clamped squares (:func:`_one_pass_statistic`) is rounded to a power of
+    Elementwise: one scalar, or a batch's vector. The mean (:func:`_one_pass_statistic`,
+    :func:`_mean_square_with`) is rounded to a power of
     two with an even exponent, ``2**(2k)`` with ``k = floor(log2(mean) / 2)`` (``up``:
     ``ceil``), which is ``floor(log2(rms))`` (``ceil``) exactly, and the square root of that
     is ``2**k``, exact. The square root comes last on purpose: XLA computes it once, with
@@ -631,11 +702,6 @@ def _pow2_rms(sample: Array, up: bool, peak: Array | None = None, floor: Array |
     it), so ``k`` is in ``[-63, 64]``. With a ``peak`` (:func:`_relative_peak`), the factor
     is at least ``peak`` rounded up to a power of two.
     """
-    return _pow2_rms_of_means(_one_pass_mean(sample.astype(np.float32), "l2"), up, peak, floor)
-
-
-def _pow2_rms_of_means(mean: Array, up: bool, peak: Array | None = None, floor: Array | None = None) -> Array:
-    """The factors of :func:`_pow2_rms` from the mean squares (elementwise: one scalar, or a batch's vector)."""
     lax = jax.lax
     usable = lax.bitwise_and(lax.gt(mean, np.float32(0)), lax.lt(mean, np.float32(np.inf)))
     exponent = lax.sub(_biased_exponent(lax.max(mean, _F32_TINY)), np.int32(_F32_BIAS))
@@ -681,20 +747,20 @@ def rescaled_into_narrow(x: ScaledArray, dtype: Any, norm: Norm, sample_size: in
 
     For values computed in float32 to be stored in float16/FP8 (the backward sums of
     :func:`jax_scalify.core.sites.rescaled_into`). Their largest entry must be
-    bounded anyway, which reads the whole tensor; the mean square of all of it is a second
-    reduction of the same data and, unlike a sample, cannot miss the few entries that carry
-    the tensor (a sampled RMS far below the tensor's leaves narrow data that the products
-    after the sum overflow). On XLA:CPU the two reductions are two kernels, a little slower
-    than the sampled RMS. The largest entry is kept at most half the dtype's largest power
-    of two. Other statistics and roundings take the sampled rescale of the policy, then the
-    bound.
+    bounded anyway, which reads the whole tensor; the mean square of all of it comes from
+    the same reduction (:func:`_mean_square_with`) and, unlike a sample, cannot miss the few
+    entries that carry the tensor (a sampled RMS far below the tensor's leaves narrow data
+    that the products after the sum overflow). The largest entry is kept at most half the
+    dtype's largest power of two. Other statistics and roundings take the sampled rescale of
+    the policy, then the bound.
     """
     mode = get_scalify_config().rounding_mode
     if not (_pow2_rms_applies([x], norm, None, mode, np.float32) and np.size(x.data) > 0):
         return narrowed_within_range(rescale_scaled_arrays([x], norm, sample_size)[0], dtype)
     data = jax.lax.stop_gradient(x.data).astype(np.float32)
-    peak = jnp.minimum(largest_magnitude(data) * np.float32(1 / narrow_limit(dtype)), np.float32(2.0**60))
-    out = _moved_by(x, _pow2_rms(data, mode == Pow2RoundMode.UP, peak))
+    mean, largest = _mean_square_with(data, peak=True)
+    peak = jnp.minimum(largest * np.float32(1 / narrow_limit(dtype)), np.float32(2.0**60))
+    out = _moved_by(x, _pow2_rms_of_means(mean, mode == Pow2RoundMode.UP, peak))
     return ScaledArray(out.data.astype(dtype), out.scale)
 
 
@@ -705,40 +771,66 @@ def _storage_target(dtype: Any) -> int:
     return min(int(np.log2(narrow_limit(dtype))), STORAGE_TOP_EXPONENT)
 
 
-def narrowed_for_storage(xs: Sequence[ScaledArray], dtypes: Sequence[Any]) -> list[ScaledArray]:
-    """Each ``x`` (float32 data, scalar scale) cast to its ``dtype``, its largest entry moved to ``(2**(t-1), 2**t]``.
+def _storable(x: ScaledArray) -> bool:
+    """Float32 data, a float32 scalar scale, at least one entry: what the batched exponent path takes."""
+    return (
+        np.size(x.data) > 0
+        and np.ndim(x.scale) == 0
+        and np.dtype(x.data.dtype) == np.float32
+        and np.dtype(as_scale(x.scale).dtype) == np.float32
+    )
+
+
+def narrowed_for_storage(
+    xs: Sequence[ScaledArray], dtypes: Sequence[Any], unit_rms: Sequence[ScaledArray] = ()
+) -> tuple[list[ScaledArray], list[ScaledArray]]:
+    """Each ``x`` (float32 data) cast to its ``dtype``, its largest entry moved to ``(2**(t-1), 2**t]``; and ``unit_rms`` rescaled.
 
     For values stored and read back, never computed on in ``dtype`` (optimizer state).
     ``2**t`` is :func:`narrow_limit` of ``dtype``, at most ``2**14`` (float16 and E5M2:
     ``2**14``, E4M3: ``2**7``): every entry keeps as many binades above the dtype's
     subnormals as it can without overflow. (Placed by its root mean square, an entry more
     than ``2**16`` times the RMS would overflow float16, and every entry would sit
-    ``2**14 * RMS / max`` times nearer the subnormals.) One reduction per tensor, the
-    largest magnitude, exact for every float32 value; the exponent arithmetic is done once
-    for the batch. All-zero data get scale 0 (asserted zero), so "all zero" can be read
-    from the scale. Non-finite or float32-subnormal data, and a scale that is 0, subnormal
-    or inf, keep their scale.
+    ``2**14 * RMS / max`` times nearer the subnormals.) The statistic is the largest
+    magnitude, exact for every float32 value. All-zero data get scale 0 (asserted zero),
+    so "all zero" can be read from the scale. Non-finite or float32-subnormal data, and a
+    scale that is 0, subnormal or inf, keep their scale.
+
+    Each of ``unit_rms`` (float32 data that are computed on next: an optimizer's updates)
+    gets its root mean square as scale, rounded with the configured mode; the mean of the
+    clamped squares of :func:`_one_pass_statistic` is exact for entries in
+    ``[2**-60, 2**50]``. All statistics of one shape are one reduction
+    (:func:`batched_statistics`); the exponent arithmetic is done once for the batch.
     """
-    outs: list[ScaledArray | None] = [None] * len(xs)
-    batch = []
-    for i, (x, dtype) in enumerate(zip(xs, dtypes)):
-        usable = np.size(x.data) > 0 and np.ndim(x.scale) == 0 and np.dtype(x.data.dtype) == np.float32
-        if usable and np.dtype(as_scale(x.scale).dtype) == np.float32:
-            batch.append(i)
-        else:
-            outs[i] = narrowed_within_range(x, dtype)
-    if batch:
-        peaks = jnp.stack([largest_magnitude(jax.lax.stop_gradient(xs[i].data)) for i in batch])
-        scales = jnp.stack([jnp.asarray(as_scale(xs[i].scale), np.float32) for i in batch])
-        targets = {_storage_target(dtypes[i]) for i in batch}
-        target = (
-            targets.pop() if len(targets) == 1 else np.asarray([_storage_target(dtypes[i]) for i in batch], np.int32)
-        )
+    mode = get_scalify_config().rounding_mode
+    batched = [i for i, x in enumerate(xs) if _storable(x)]
+    unit = [i for i, x in enumerate(unit_rms) if _storable(x) and mode in (Pow2RoundMode.DOWN, Pow2RoundMode.UP)]
+    stored = [x if i in batched else narrowed_within_range(x, dtypes[i]) for i, x in enumerate(xs)]
+    rescaled = list(unit_rms)
+    if len(unit) < len(unit_rms):
+        others = [i for i in range(len(unit_rms)) if i not in unit]
+        for i, x in zip(others, rescale_scaled_arrays([unit_rms[i] for i in others], "l2", None, one_pass=True)):
+            rescaled[i] = x
+    datas = [jax.lax.stop_gradient(xs[i].data) for i in batched] + [
+        jax.lax.stop_gradient(unit_rms[i].data) for i in unit
+    ]
+    stats = batched_statistics(datas, ["max"] * len(batched) + ["mean_square"] * len(unit))
+    if batched:
+        peaks = jnp.stack(stats[: len(batched)])
+        scales = jnp.stack([jnp.asarray(as_scale(xs[i].scale), np.float32) for i in batched])
+        targets = np.asarray([_storage_target(dtypes[i]) for i in batched], np.int32)
+        target = int(targets[0]) if np.all(targets == targets[0]) else targets
         inverses, new_scales = _pow2_rescale_exponents(peaks, scales, up=True, target=target)
         new_scales = _select(jax.lax.ne(peaks, jnp.zeros_like(peaks)), new_scales, 0)
-        for k, x in zip(batch, _sliced([xs[i] for i in batch], inverses, new_scales)):
-            outs[k] = ScaledArray(x.data.astype(dtypes[k]), x.scale)
-    return outs
+        for k, x in zip(batched, _sliced([xs[i] for i in batched], inverses, new_scales)):
+            stored[k] = ScaledArray(x.data.astype(dtypes[k]), x.scale)
+    if unit:
+        factors = _pow2_rms_of_means(jnp.stack(stats[len(batched) :]), mode == Pow2RoundMode.UP)
+        scales = jnp.stack([jnp.asarray(as_scale(unit_rms[i].scale), np.float32) for i in unit])
+        inverses, new_scales = _moved_scales(scales, factors)
+        for k, x in zip(unit, _sliced([unit_rms[i] for i in unit], inverses, new_scales)):
+            rescaled[k] = x
+    return stored, rescaled
 
 
 def rebalanced(x: ScaledArray, factor: Array) -> ScaledArray:
