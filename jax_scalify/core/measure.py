@@ -17,6 +17,7 @@ the representation does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -111,34 +112,55 @@ def largest_magnitude(data: Array) -> Array:
     return jnp.max(jnp.abs(data)).astype(np.float32)
 
 
+VARIADIC_SUM_LIMIT = 4096
+
+
+def _statistic_terms(data: Array, kind: str) -> tuple[Array, Callable]:
+    """The terms whose reduction gives the statistic ``kind`` of ``data``, and their combiner."""
+    if kind == "zero_fraction":
+        return (data == 0).astype(np.float32), jax.lax.add
+    magnitudes = jnp.abs(data.astype(np.float32))
+    if kind == "max":
+        return magnitudes, jax.lax.max
+    return _clamped_terms(magnitudes, "l2"), jax.lax.add
+
+
+@functools.cache
+def _combined(combiners: tuple[Callable, ...]) -> Callable:
+    """One function per tuple of combiners: a new one per call would be a new jaxpr, recompiled by every ``jit``."""
+    return lambda a, b: tuple(op(x, y) for op, x, y in zip(combiners, a, b))
+
+
 def batched_statistics(datas: Sequence[Array], kinds: Sequence[str]) -> list[Array]:
-    """Per array its statistic, those of one shape in one (variadic) reduction: one kernel per shape.
+    """The statistic ``kinds[i]`` of each ``datas[i]``; all those of one shape in one (variadic) reduction.
 
     ``"max"``: the largest magnitude, in float32, exact; ``"mean_square"``: the mean of the
-    clamped squares of :func:`_one_pass_statistic`. Several arrays of one shape (the moments
-    and the update of one parameter, the parameters of equal layers) are read by one kernel
-    instead of one each.
+    clamped squares of :func:`_one_pass_statistic`; ``"zero_fraction"``: the fraction of
+    entries equal to 0. XLA compiles one variadic reduction as one kernel, where separate
+    reductions are one kernel each, also of the same data: several statistics of one
+    tensor, or the moments of one parameter, are one kernel. XLA:CPU runs a variadic
+    reduction as a sequential loop, which for a sum is about ten times slower than a sum of
+    its own (a maximum is as fast): sums of more than :data:`VARIADIC_SUM_LIMIT` entries are
+    reduced on their own.
     """
     by_shape: dict[tuple, list[int]] = {}
     for i, d in enumerate(datas):
-        by_shape.setdefault(np.shape(d), []).append(i)
+        alone = kinds[i] != "max" and np.size(d) > VARIADIC_SUM_LIMIT
+        by_shape.setdefault(("alone", i) if alone else np.shape(d), []).append(i)
     out: list[Array] = [None] * len(datas)
-    for shape, where in by_shape.items():
-        operands, inits, combiners = [], [], []
-        for i in where:
-            magnitudes = jnp.abs(datas[i].astype(np.float32))
-            mean_square = kinds[i] == "mean_square"
-            operands.append(_clamped_terms(magnitudes, "l2") if mean_square else magnitudes)
-            inits.append(np.float32(0))
-            combiners.append(jax.lax.add if mean_square else jax.lax.max)
-        totals = jax.lax.reduce(
-            tuple(operands),
-            tuple(inits),
-            lambda a, b, combiners=combiners: tuple(op(x, y) for op, x, y in zip(combiners, a, b)),
-            tuple(range(len(shape))),
-        )
+    for where in by_shape.values():
+        terms, combiners = zip(*(_statistic_terms(datas[i], kinds[i]) for i in where))
+        if len(where) == 1:
+            totals = [jnp.max(terms[0]) if combiners[0] is jax.lax.max else jnp.sum(terms[0])]
+        else:
+            totals = jax.lax.reduce(
+                tuple(terms),
+                (np.float32(0),) * len(where),
+                _combined(tuple(combiners)),
+                tuple(range(np.ndim(datas[where[0]]))),
+            )
         for i, total in zip(where, totals):
-            out[i] = total * np.float32(1 / max(np.size(datas[i]), 1)) if kinds[i] == "mean_square" else total
+            out[i] = total if kinds[i] == "max" else total * np.float32(1 / max(np.size(datas[i]), 1))
     return out
 
 
@@ -394,39 +416,6 @@ def _one_pass_mean(data: Array, norm: str) -> Array:
     return jnp.sum(_clamped_terms(jnp.abs(data), norm)) * np.float32(1 / max(data.size, 1))
 
 
-def _mean_square_with(data: Array, *, peak: bool = False, zeros: bool = False) -> tuple[Array, ...]:
-    """``(mean of clamped squares, [largest magnitude], [fraction of zero entries])`` of float32 ``data``.
-
-    One reduction however many statistics: XLA reduces several operands of one shape in
-    one kernel (a variadic ``reduce``), where separate reductions of the same data are
-    separate kernels.
-    """
-    magnitudes = jnp.abs(data)
-    operands, inits, combiners = [_clamped_terms(magnitudes, "l2")], [np.float32(0)], [jax.lax.add]
-    if peak:
-        operands, inits, combiners = [*operands, magnitudes], [*inits, np.float32(0)], [*combiners, jax.lax.max]
-    if zeros:
-        operands.append((data == 0).astype(np.float32))
-        inits.append(np.float32(0))
-        combiners.append(jax.lax.add)
-    if len(operands) == 1:
-        totals = [jnp.sum(operands[0])]
-    else:
-        totals = jax.lax.reduce(
-            tuple(operands),
-            tuple(inits),
-            lambda a, b: tuple(op(x, y) for op, x, y in zip(combiners, a, b)),
-            tuple(range(data.ndim)),
-        )
-    inverse_size = np.float32(1 / max(data.size, 1))
-    out = [totals[0] * inverse_size]
-    if peak:
-        out.append(totals[1])
-    if zeros:
-        out.append(totals[-1] * inverse_size)
-    return tuple(out)
-
-
 def _one_pass_statistic(data: Array, norm: str) -> Array:
     """The statistic ``norm`` of float32 ``data`` as one reduction, with no overflow or underflow.
 
@@ -506,9 +495,12 @@ def rescale_scaled_arrays(
     work = np.float64 if any(np.dtype(d.dtype) == np.float64 for d in samples) else np.float32
     if _rms_path(xs, norm, sample_size, min_scale, mode, work):
         up = mode == Pow2RoundMode.UP
-        measured = [_mean_square_with(d.astype(np.float32), zeros=z) for d, z in zip(samples, floored)]
-        means = [m[0] for m in measured]
-        floors = [_sparse_floor(m[1]) if z else None for m, z in zip(measured, floored)]
+        fractions = [d for d, z in zip(samples, floored) if z]
+        stats = batched_statistics(
+            samples + fractions, ["mean_square"] * len(samples) + ["zero_fraction"] * len(fractions)
+        )
+        means, zeros = stats[: len(samples)], iter(stats[len(samples) :])
+        floors = [_sparse_floor(next(zeros)) if z else None for z in floored]
         if len(xs) == 1:
             return [_moved_by(xs[0], _pow2_rms_of_means(means[0], up, peaks[0], floors[0]))]
         factors = _pow2_rms_of_means(jnp.stack(means), up, _stacked_or_none(peaks), _stacked_or_none(floors))
@@ -692,7 +684,7 @@ def _pow2_rms_of_means(mean: Array, up: bool, peak: Array | None = None, floor: 
     """The root mean square rounded to a power of two from the mean of the clamped squares; 1 where it is 0 or not finite.
 
     Elementwise: one scalar, or a batch's vector. The mean (:func:`_one_pass_statistic`,
-    :func:`_mean_square_with`) is rounded to a power of
+    :func:`batched_statistics`) is rounded to a power of
     two with an even exponent, ``2**(2k)`` with ``k = floor(log2(mean) / 2)`` (``up``:
     ``ceil``), which is ``floor(log2(rms))`` (``ceil``) exactly, and the square root of that
     is ``2**k``, exact. The square root comes last on purpose: XLA computes it once, with
@@ -748,7 +740,7 @@ def rescaled_into_narrow(x: ScaledArray, dtype: Any, norm: Norm, sample_size: in
     For values computed in float32 to be stored in float16/FP8 (the backward sums of
     :func:`jax_scalify.core.sites.rescaled_into`). Their largest entry must be
     bounded anyway, which reads the whole tensor; the mean square of all of it comes from
-    the same reduction (:func:`_mean_square_with`) and, unlike a sample, cannot miss the few
+    the same reduction (:func:`batched_statistics`) and, unlike a sample, cannot miss the few
     entries that carry the tensor (a sampled RMS far below the tensor's leaves narrow data
     that the products after the sum overflow). The largest entry is kept at most half the
     dtype's largest power of two. Other statistics and roundings take the sampled rescale of
@@ -758,7 +750,7 @@ def rescaled_into_narrow(x: ScaledArray, dtype: Any, norm: Norm, sample_size: in
     if not (_pow2_rms_applies([x], norm, None, mode, np.float32) and np.size(x.data) > 0):
         return narrowed_within_range(rescale_scaled_arrays([x], norm, sample_size)[0], dtype)
     data = jax.lax.stop_gradient(x.data).astype(np.float32)
-    mean, largest = _mean_square_with(data, peak=True)
+    mean, largest = batched_statistics([data, data], ["mean_square", "max"])
     peak = jnp.minimum(largest * np.float32(1 / narrow_limit(dtype)), np.float32(2.0**60))
     out = _moved_by(x, _pow2_rms_of_means(mean, mode == Pow2RoundMode.UP, peak))
     return ScaledArray(out.data.astype(dtype), out.scale)
