@@ -9,9 +9,10 @@ its hyperparameters:
 - the inner update runs on plain float32 values (``data * scale`` of the stored state and
   of the gradients), so ``eps = 1e-8`` or ``1e-16`` and the bias corrections are what they
   are in FP32, and no scale arithmetic runs beside Optax's;
-- the new state is narrowed again, its largest entry at the top of the range (one
-  reduction per tensor); the outgoing updates get their RMS as scale (one reduction each),
-  so the parameters' scales follow their data whatever the gradients' propagated scales were.
+- the new state is narrowed again, its largest entry at the top of the range (the largest
+  entries of all state arrays of one shape in one reduction); the outgoing updates get their
+  RMS as scale (one reduction each), so the parameters' scales follow their data whatever
+  the gradients' propagated scales were.
 
 Example (scaled FP16 weights, gradients and Adam moments)::
 

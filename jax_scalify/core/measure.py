@@ -141,12 +141,13 @@ def batched_statistics(datas: Sequence[Array], kinds: Sequence[str]) -> list[Arr
     tensor, or the moments of one parameter, are one kernel. XLA:CPU runs a variadic
     reduction as a sequential loop, which for a sum is about ten times slower than a sum of
     its own (a maximum is as fast): sums of more than :data:`VARIADIC_SUM_LIMIT` entries are
-    reduced on their own.
+    reduced on their own. Arrays sharded differently in their types are not reduced together
+    (the partitioner would reshard one of them).
     """
     by_shape: dict[tuple, list[int]] = {}
     for i, d in enumerate(datas):
         alone = kinds[i] != "max" and np.size(d) > VARIADIC_SUM_LIMIT
-        by_shape.setdefault(("alone", i) if alone else np.shape(d), []).append(i)
+        by_shape.setdefault(("alone", i) if alone else (np.shape(d), str(_sharding_spec(d))), []).append(i)
     out: list[Array] = [None] * len(datas)
     for where in by_shape.values():
         terms, combiners = zip(*(_statistic_terms(datas[i], kinds[i]) for i in where))
