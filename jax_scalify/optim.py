@@ -605,11 +605,11 @@ def scale_state(
             rest in ``dtype``. A leaf takes the dtype of the outermost field on its path
             that is named here.
         rescale: the statistic of the outgoing updates moved into their scale: ``"l2"``
-            (root mean square; with ``"l1"`` one reduction of clamped terms, exact for
-            entries in ``[2**-60, 2**50]``), ``"l1"``, ``"max"``, a callable
-            ``norm(data) -> scalar``; or None to store the updates and the state at scale 1
-            (the active rescale policy's ``outputs`` site may still move them; unsafe below
-            float32).
+            (root mean square, one reduction of clamped terms, exact for entries in
+            ``[2**-60, 2**50]``, measured with the state), or ``"l1"``, ``"max"``, a callable
+            ``norm(data) -> scalar`` (exact, through ``jsa.ops.dynamic_rescale``); or None
+            to store the updates and the state at scale 1 (the active rescale policy's
+            ``outputs`` site may still move them; unsafe below float32).
         compensate: carry the part of each update that weights narrower than float32 round
             away to the next update (below); ``update`` then needs ``params``.
 
