@@ -207,9 +207,13 @@ def _plain_zeros_to_smallest_subnormal(x: Any, dtype: np.dtype) -> Any:
     conditional update left at zero, as SAM's adversarial steps leave Adam's), and its scale,
     which no value set, would make the floor arbitrary.
     """
+    return _zeros_floored(x, dtype, jnp.any(x != 0))
+
+
+def _zeros_floored(x: Any, dtype: np.dtype, has_values: Any) -> Any:
+    """The zeros of ``x`` raised to ``dtype``'s smallest subnormal where ``has_values``, else kept."""
     tiny = jnp.asarray(jnp.finfo(dtype).smallest_subnormal, x.dtype)
-    floor = jnp.where(jnp.any(x != 0), tiny, jnp.zeros((), x.dtype))
-    return jnp.where(x == 0, floor, x)
+    return jnp.where(x == 0, jnp.where(has_values, tiny, jnp.zeros((), x.dtype)), x)
 
 
 _zeros_to_smallest_subnormal = custom_scale(_plain_zeros_to_smallest_subnormal, static_argnums=(1,))
@@ -221,9 +225,7 @@ def _zeros_to_smallest_subnormal_rule(x: ScaledArray, dtype: np.dtype) -> Scaled
 
     A stored tensor is all zeros exactly when its scale is 0 (:func:`_store`): no reduction.
     """
-    tiny = jnp.asarray(jnp.finfo(dtype).smallest_subnormal, x.dtype)
-    floor = jnp.where(x.scale != 0, tiny, jnp.zeros((), x.dtype))
-    return ScaledArray(jnp.where(x.data == 0, floor, x.data), x.scale)
+    return ScaledArray(_zeros_floored(x.data, dtype, x.scale != 0), x.scale)
 
 
 def _values(tree: PyTree) -> PyTree:

@@ -798,10 +798,10 @@ def narrowed_for_storage(
     mode = get_scalify_config().rounding_mode
     batched = [i for i, x in enumerate(xs) if _storable(x)]
     unit = [i for i, x in enumerate(unit_rms) if _storable(x) and mode in (Pow2RoundMode.DOWN, Pow2RoundMode.UP)]
-    stored = [x if i in batched else narrowed_within_range(x, dtypes[i]) for i, x in enumerate(xs)]
+    stored = [x if _storable(x) else narrowed_within_range(x, dtypes[i]) for i, x in enumerate(xs)]
     rescaled = list(unit_rms)
     if len(unit) < len(unit_rms):
-        others = [i for i in range(len(unit_rms)) if i not in unit]
+        others = sorted(set(range(len(unit_rms))) - set(unit))
         for i, x in zip(others, rescale_scaled_arrays([unit_rms[i] for i in others], "l2", None, one_pass=True)):
             rescaled[i] = x
     datas = [jax.lax.stop_gradient(xs[i].data) for i in batched] + [
