@@ -126,8 +126,8 @@ def gemm_calls(hlo: str) -> list[GemmCall]:
 def entry_kernels(hlo: str) -> list[str]:
     """Result types of the fusions and custom calls of the entry computation, e.g. ``"f32[]"``.
 
-    On a GPU each is one kernel launch or library call; a result type ending in ``[]`` (or a
-    tuple of such) is a scalar kernel.
+    On a GPU each is one kernel launch or library call; a result of one element (``f32[]``,
+    or ``f32[1]`` as XLA:GPU writes a scalar fusion's result) is a scalar kernel.
     """
     start = hlo.find("\nENTRY ")
     if start < 0:

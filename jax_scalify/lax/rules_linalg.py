@@ -4,14 +4,15 @@ A contraction sums ``K`` products (``K`` the contracted size, the fan-in for a c
 With unit-variance independent operands each output has standard deviation ``sqrt(K)``, so
 the rules output ``s = sa * sb * r`` and ``data = result / r`` with ``r = pow2(sqrt(K))``.
 
-The ``1/r`` is an exact power-of-two multiply, applied where it costs least
-(:func:`_unscale_target`):
-
-- on an operand only if its dtype has range to spare (16 bits or wider): FP8 operands reach
-  the contraction as they are, so XLA can use FP8 GEMMs (cuBLASLt on Hopper);
-- on the output otherwise, or when it is the smallest of the three;
-- never on the output when its dtype has a narrow range (float16, FP8) and an operand can
-  take it, so that the unscaled sum cannot overflow the output dtype.
+The ``1/r`` is an exact power-of-two multiply, applied to the float32 (or wider) accumulator
+(:func:`_unscaled_contraction`): a float32/float64 result is multiplied as it is; a
+16-bit result of 16-bit operands is accumulated in float32 (``preferred_element_type``),
+multiplied, and rounded once to its dtype, so the unscaled sum cannot overflow it. The
+operands, often weights that the backward pass reads again, stay untouched: the forward and
+the backward contraction read the same array (no second converted copy on CPU), and on GPU
+the multiply is the GEMM's epilogue. FP8 operands (and integer ones) reach the contraction
+with the equation's own params, so XLA can use FP8 GEMMs (cuBLASLt on Hopper): a 16-bit
+operand beside them takes the ``1/r``, else the output does.
 
 Under the rescale policy's ``contractions`` (the default), the result of a forward
 contraction is then rescaled from its data: the ``sqrt(K)`` estimate is right for
@@ -46,9 +47,6 @@ from ..core.sites import rescale_contraction, rescale_self_product_operands
 
 Array = Any
 
-_LHS, _RHS, _OUT = 0, 1, 2
-
-
 def _prod(sizes: Sequence[int]) -> int:
     return int(np.prod(list(sizes), dtype=np.int64))
 
@@ -65,35 +63,43 @@ def _can_take_rescale(data: Array) -> bool:
     return is_floating_dtype(data.dtype) and jnp.finfo(data.dtype).bits >= 16
 
 
-def _unscale_target(lhs: Array, rhs: Array, out: jax.ShapeDtypeStruct) -> int:
-    """Where to apply ``1/r`` (``_LHS``, ``_RHS`` or ``_OUT``) given the operands' data.
+def _unscaled_contraction(lhs: Array, rhs: Array, inv_r: Array, contract: Callable[..., Array]) -> Array:
+    """``contract(lhs, rhs) / r`` with the ``1/r`` on the accumulator (see the module docstring).
 
-    The cheapest (fewest elements) among the eligible places (see the module docstring); on
-    a tie the output, which never pushes operand values into subnormals.
+    ``contract(a, b, wide)`` binds the primitive with the equation's params, and with
+    ``preferred_element_type=float32`` when ``wide``.
     """
-    candidates = [(_prod(x.shape), where) for where, x in ((_LHS, lhs), (_RHS, rhs)) if _can_take_rescale(x)]
-    if not (candidates and narrow_range(out.dtype)):
-        candidates.append((_prod(out.shape), -1))
-    _, where = min(candidates)
-    return _OUT if where == -1 else where
+    if np.all(inv_r == 1):
+        return contract(lhs, rhs, False)
+    out = jax.eval_shape(lambda a, b: contract(a, b, False), lhs, rhs)
+    if is_floating_dtype(out.dtype) and jnp.finfo(out.dtype).bits >= 32:
+        return mul_data(contract(lhs, rhs, False), inv_r)
+    if is_floating_dtype(out.dtype) and _can_take_rescale(lhs) and _can_take_rescale(rhs):
+        return mul_data(contract(lhs, rhs, True), inv_r).astype(out.dtype)
+    if _can_take_rescale(lhs):
+        return contract(mul_data(lhs, inv_r), rhs, False)
+    if _can_take_rescale(rhs):
+        return contract(lhs, mul_data(rhs, inv_r), False)
+    return mul_data(contract(lhs, rhs, False), inv_r)
 
 
-def _unit_scaled_contraction(lhs: Any, rhs: Any, fan_in: int, contract: Callable[[Array, Array], Array]) -> ScaledArray:
-    """``contract`` on the data, ``s = sa * sb * r`` and ``data / r`` applied where cheapest."""
+def _unit_scaled_contraction(lhs: Any, rhs: Any, fan_in: int, contract: Callable[..., Array]) -> ScaledArray:
+    """``contract`` on the data, ``s = sa * sb * r`` and ``data / r`` on the accumulator."""
     r = sqrt_size_pow2(fan_in)
-    inv_r = as_scale(1 / r)
     (lhs_data, lhs_scale), (rhs_data, rhs_scale) = _data_and_scale(lhs), _data_and_scale(rhs)
-    out_struct = jax.eval_shape(contract, *(jax.ShapeDtypeStruct(d.shape, d.dtype) for d in (lhs_data, rhs_data)))
-    target = _unscale_target(lhs_data, rhs_data, out_struct)
-    if target == _LHS:
-        lhs_data = mul_data(lhs_data, inv_r)
-    elif target == _RHS:
-        rhs_data = mul_data(rhs_data, inv_r)
-    out = contract(lhs_data, rhs_data)
-    if target == _OUT:
-        out = mul_data(out, inv_r)
+    out = _unscaled_contraction(lhs_data, rhs_data, as_scale(1 / r), contract)
     product = scaled_product(out, lhs_scale, rhs_scale)
     return rescale_contraction(scaled_product(product.data, product.scale, r))
+
+
+def _binder(prim, params: dict) -> Callable[..., Array]:
+    """``contract(a, b, wide)``: ``prim`` bound with ``params``, accumulating in float32 if ``wide``."""
+
+    def contract(a, b, wide):
+        bound = {**params, "preferred_element_type": jnp.dtype(jnp.float32)} if wide else params
+        return prim.bind(a, b, **bound)
+
+    return contract
 
 
 @register_scaled_lax_op
@@ -101,19 +107,15 @@ def scaled_dot_general(lhs: Any, rhs: Any, *, dimension_numbers, **params) -> Sc
     """s = sa * sb * r, data = dot(data) / r, r = pow2(sqrt(K)), K = product of the contracting dims.
 
     Unit scaling of a sum of K products. All params are kept (``preferred_element_type``: FP8
-    operands with a BF16/F32 result stay FP8 GEMMs); 1/r goes on the smaller 16-bit-or-wider
-    operand or on the output, whichever is cheapest (see the module docstring). Operands that
-    share one scale (``x @ x.T``) are first rescaled under the rescale policy's
-    ``self_products``: their product squares the data's departure from unit size. In the
-    forward pass the result is rescaled from its data under the policy's ``contractions``.
+    operands with a BF16/F32 result stay FP8 GEMMs); 1/r goes on the float32 accumulator
+    (see the module docstring). Operands that share one scale (``x @ x.T``) are first
+    rescaled under the rescale policy's ``self_products``: their product squares the data's
+    departure from unit size. In the forward pass the result is rescaled from its data under the policy's ``contractions``.
     """
     lhs, rhs = rescale_self_product_operands(lhs, rhs)
     (lhs_contracting, _), _ = dimension_numbers
     fan_in = _prod(lhs.shape[d] for d in lhs_contracting)
-
-    def contract(a, b):
-        return P.dot_general_p.bind(a, b, dimension_numbers=dimension_numbers, **params)
-
+    contract = _binder(P.dot_general_p, {"dimension_numbers": dimension_numbers, **params})
     return _unit_scaled_contraction(lhs, rhs, fan_in, contract)
 
 
@@ -133,10 +135,7 @@ def scaled_conv_general_dilated(lhs: Any, rhs: Any, *, dimension_numbers, **para
     kept; 1/r is placed as for dot_general, and the forward result is rescaled under the
     policy's ``contractions`` as well.
     """
-
-    def contract(a, b):
-        return P.conv_general_dilated_p.bind(a, b, dimension_numbers=dimension_numbers, **params)
-
+    contract = _binder(P.conv_general_dilated_p, {"dimension_numbers": dimension_numbers, **params})
     return _unit_scaled_contraction(lhs, rhs, _conv_fan_in(rhs.shape, dimension_numbers), contract)
 
 
