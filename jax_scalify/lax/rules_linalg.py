@@ -39,13 +39,13 @@ from ..core.registry import register_scaled_lax_op
 from ..core.scaling import (
     as_scale,
     mul_data,
-    narrow_range,
     scaled_product,
     sqrt_size_pow2,
 )
 from ..core.sites import rescale_contraction, rescale_self_product_operands
 
 Array = Any
+
 
 def _prod(sizes: Sequence[int]) -> int:
     return int(np.prod(list(sizes), dtype=np.int64))

@@ -98,7 +98,13 @@ def test_scalified_fp8_dot_general_is_one_fp8_gemm(target, backend, out_dtype, s
         return lax.dot_general(a, b, DOT_DIMS, preferred_element_type=out_dtype)
 
     options = BACKENDS[backend]
-    scaled_hlo = compiled_hlo(target, jsa.scalify(dot, policy=jsa.RescalePolicy.static()), scaled((m, k), E4M3), scaled((k, n), E4M3), options=options)
+    scaled_hlo = compiled_hlo(
+        target,
+        jsa.scalify(dot, policy=jsa.RescalePolicy.static()),
+        scaled((m, k), E4M3),
+        scaled((k, n), E4M3),
+        options=options,
+    )
     plain_hlo = compiled_hlo(target, dot, plain((m, k), E4M3), plain((k, n), E4M3), options=options)
     (call,) = gemm_calls(scaled_hlo)
     assert call.is_fp8, call
