@@ -450,3 +450,17 @@ def test_traced_scales_without_rounding_need_only_be_positive_and_finite(scale, 
         np.testing.assert_allclose(out.to_array(), [2 * scale, 4 * scale], rtol=1e-6)
     else:
         assert np.all(np.isnan(out.to_array()))
+
+
+def test_the_check_of_traced_scales_is_compiled_once():
+    """XLA copies cheap elementwise producers into every kernel that reads them; the check
+    of the input scales (a population count among its operations) is computed once."""
+    params = {"w": ScaledArray(jnp.ones((8, 8)), jnp.float32(2.0)), "b": ScaledArray(jnp.ones(8), jnp.float32(4.0))}
+
+    def kernels(p, x):
+        h = jnp.tanh(x @ p["w"] + p["b"])
+        return h * p["b"], jnp.exp(x * p["b"]).sum(0), (h @ p["w"]).max(1)
+
+    fn = jax.jit(jsa.scalify(kernels, policy=jsa.RescalePolicy.static()))
+    hlo = fn.lower(params, jnp.ones((4, 8))).compile().as_text()
+    assert hlo.count("popcnt(") == 1
