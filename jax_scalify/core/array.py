@@ -546,7 +546,7 @@ def conform_traced_scales(leaves: list) -> list:
     for i in where:
         by_dtype.setdefault(np.dtype(leaves[i].scale.dtype), []).append(i)
     out = list(leaves)
-    for dtype, indices in by_dtype.items():
+    for indices in by_dtype.values():
         scales = jnp.stack([leaves[i].scale for i in indices])
         valid = _scale_bits_valid(scales, require_pow2, reduce=False)
         scales = _nan_where_invalid(scales, valid)
