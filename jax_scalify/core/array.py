@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import Pow2RoundMode, get_scalify_config
-from .pow2 import pow2_exponent, pow2_round_up
+from .pow2 import computed_once, pow2_exponent, pow2_round_up
 
 Array = Any
 DTypeLike = Any
@@ -532,7 +532,7 @@ def conform_traced_scales(leaves: list) -> list:
     ``Pow2RoundMode.NONE``) becomes NaN, so the value is NaN wherever it goes instead of
     silently wrong, and the rules' power-of-two contract holds (NaN is allowed). The scales
     are tested together, one vector per scale dtype, and the data are not touched (measured
-    in ``docs/pytrees.md``), computed once (:func:`_nan_where_invalid`).
+    in ``docs/pytrees.md``), computed once (:func:`~jax_scalify.core.pow2.computed_once`).
     """
     where = [
         i
@@ -549,25 +549,11 @@ def conform_traced_scales(leaves: list) -> list:
     for indices in by_dtype.values():
         scales = jnp.stack([leaves[i].scale for i in indices])
         valid = _scale_bits_valid(scales, require_pow2, reduce=False)
-        scales = _nan_where_invalid(scales, valid)
+        scales = computed_once(jax.lax.select(valid, scales, jnp.full(scales.shape, np.nan, scales.dtype)))
         for k, i in enumerate(indices):
             x = leaves[i]
             out[i] = ScaledArray.unchecked(x.data, scales[k], any_scale=x.any_scale, slices=x.slices)
     return out
-
-
-def _nan_where_invalid(scales: Array, valid: Array) -> Array:
-    """``scales``, NaN where not ``valid``: on the bits, ending in an integer division by 1.
-
-    XLA copies cheap elementwise producers into every kernel that reads them; a division
-    it computes once, so the kernels that read a parameter's scale do not each carry the
-    check. Integer bits, so that no floating-point simplification can drop the NaN.
-    """
-    uint = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[np.dtype(scales.dtype).itemsize]
-    bits = jax.lax.bitcast_convert_type(scales, uint)
-    nan_bits = jax.lax.bitcast_convert_type(jnp.full(scales.shape, np.nan, scales.dtype), uint)
-    one = jax.lax.convert_element_type(valid, uint) | uint(1)
-    return jax.lax.bitcast_convert_type(jax.lax.div(jax.lax.select(valid, bits, nan_bits), one), scales.dtype)
 
 
 def _scale_bits_valid(scale: Array, require_pow2: bool, reduce: bool = True) -> Array:

@@ -27,7 +27,7 @@ import numpy as np
 
 from .array import ScaledArray, is_floating_dtype, narrow_range
 from .config import Pow2RoundMode, get_scalify_config
-from .pow2 import pow2_round, pow2_round_down, pow2_round_up
+from .pow2 import computed_once, pow2_round, pow2_round_down, pow2_round_up
 
 Array = Any
 NormFn = Callable[[Array], Array]
@@ -539,7 +539,12 @@ def _moved_together(xs: list[ScaledArray], stats: list[Array], scales: list[Arra
 
 
 def _sliced(xs: list[ScaledArray], inverses: Array, new_scales: Array) -> list[ScaledArray]:
-    """Each ``x`` with its data multiplied by its entry of ``inverses`` and its scale its entry of ``new_scales``."""
+    """Each ``x`` with its data multiplied by its entry of ``inverses`` and its scale its entry of ``new_scales``.
+
+    The batch's vectors are :func:`~jax_scalify.core.pow2.computed_once`: each tensor's
+    kernels read their entries instead of recomputing the batch's exponent arithmetic.
+    """
+    inverses, new_scales = computed_once(inverses), computed_once(new_scales)
     index = jax.lax.index_in_dim
     return [
         ScaledArray(mul_data(x.data, index(inverses, i, keepdims=False)), index(new_scales, i, keepdims=False))

@@ -332,3 +332,22 @@ def pow2_twice_reciprocal(scale: Array) -> Array:
     bits = lax.bitcast_convert_type(lax.convert_element_type(scale, work), uint)
     out = lax.sub(all_ones_exponent, lax.bitwise_and(bits, sign_and_exponent))
     return lax.convert_element_type(lax.bitcast_convert_type(out, work), scale.dtype)
+
+
+def computed_once(x: Array) -> Array:
+    """``x``, bit for bit, as a value that XLA computes once rather than in every kernel reading it.
+
+    XLA copies a cheap elementwise producer into each kernel that consumes it; a chain of
+    scalar scale arithmetic read by many kernels is then compiled many times (compile time
+    grows with it). A division it does not copy, so ``x``'s bits are divided by an integer
+    that is always 1 (``(bits >> (n - 1)) | 1``: XLA cannot prove it, hence cannot fold it):
+    exact, on the bits, so no floating-point simplification applies. On a GPU the chain
+    before it becomes a kernel of its own: for values read by many kernels only.
+    """
+    if is_numpy(x):
+        return x
+    dtype = np.dtype(x.dtype)
+    uint = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[dtype.itemsize]
+    bits = lax.bitcast_convert_type(x, uint)
+    one = lax.shift_right_logical(bits, uint(8 * dtype.itemsize - 1)) | uint(1)
+    return lax.bitcast_convert_type(lax.div(bits, one), dtype)
