@@ -20,7 +20,7 @@ from jax_scalify.core import (
     pow2_round_down,
     pow2_round_up,
 )
-from jax_scalify.core.pow2 import pow2_round_positive_or_one, pow2_twice_reciprocal, scales_are_pow2
+from jax_scalify.core.pow2 import computed_once, pow2_round_positive_or_one, pow2_twice_reciprocal, scales_are_pow2
 from jax_scalify.lax import rules_arithmetic
 from tests.invariance import assert_pow2_scales
 
@@ -248,3 +248,25 @@ def test_pow2_twice_reciprocal_is_exact_from_the_bits(dtype):
     out = np.asarray(jax.jit(pow2_twice_reciprocal)(special))
     np.testing.assert_array_equal(out, np.asarray([np.inf, -np.inf, 0.0, -0.0, 0.0, np.inf], dtype))
     assert np.signbit(out[3]) and not np.signbit(out[2])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, jnp.bfloat16])
+def test_computed_once_returns_every_value_bit_for_bit(dtype):
+    values = np.array([0.0, -0.0, 1.0, -3.5, 2.0**-140, np.inf, -np.inf, np.nan, 6e4, 2.0**-20], np.float32)
+    x = jnp.asarray(values).astype(dtype)
+    got = jax.jit(computed_once)(x)
+    bits = lambda a: np.asarray(a).view(np.uint16 if np.dtype(dtype).itemsize == 2 else np.uint32)  # noqa: E731
+    np.testing.assert_array_equal(bits(got), bits(x))
+    assert computed_once(np.float32(2.0)) == 2.0  # NumPy values are returned as they are
+
+
+def test_computed_once_is_one_division_that_xla_keeps():
+    """Consumers read the computed value: the chain before it is not copied into each of them."""
+
+    def many_consumers(s, a, b, c):
+        t = computed_once(jnp.maximum(s * 3.25, 0.75))  # copied into each consumer without it
+        return a * t, jnp.tanh(b) * t, (c + 1) @ c * t
+
+    args = (jnp.float32(3.0), jnp.ones(8), jnp.ones(8), jnp.ones((8, 8)))
+    hlo = jax.jit(many_consumers).lower(*args).compile().as_text()
+    assert hlo.count("constant(3.25)") == 1
