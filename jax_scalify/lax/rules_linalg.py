@@ -110,7 +110,8 @@ def scaled_dot_general(lhs: Any, rhs: Any, *, dimension_numbers, **params) -> Sc
     operands with a BF16/F32 result stay FP8 GEMMs); 1/r goes on the float32 accumulator
     (see the module docstring). Operands that share one scale (``x @ x.T``) are first
     rescaled under the rescale policy's ``self_products``: their product squares the data's
-    departure from unit size. In the forward pass the result is rescaled from its data under the policy's ``contractions``.
+    departure from unit size. In the forward pass the result is rescaled from its data
+    under the policy's ``contractions``.
     """
     lhs, rhs = rescale_self_product_operands(lhs, rhs)
     (lhs_contracting, _), _ = dimension_numbers
