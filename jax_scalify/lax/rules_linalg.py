@@ -4,15 +4,18 @@ A contraction sums ``K`` products (``K`` the contracted size, the fan-in for a c
 With unit-variance independent operands each output has standard deviation ``sqrt(K)``, so
 the rules output ``s = sa * sb * r`` and ``data = result / r`` with ``r = pow2(sqrt(K))``.
 
-The ``1/r`` is an exact power-of-two multiply, applied to the float32 (or wider) accumulator
-(:func:`_unscaled_contraction`): a float32/float64 result is multiplied as it is; a
-16-bit result of 16-bit operands is accumulated in float32 (``preferred_element_type``),
-multiplied, and rounded once to its dtype, so the unscaled sum cannot overflow it. The
-operands, often weights that the backward pass reads again, stay untouched: the forward and
-the backward contraction read the same array (no second converted copy on CPU), and on GPU
-the multiply is the GEMM's epilogue. FP8 operands (and integer ones) reach the contraction
-with the equation's own params, so XLA can use FP8 GEMMs (cuBLASLt on Hopper): a 16-bit
-operand beside them takes the ``1/r``, else the output does.
+The ``1/r`` is an exact power-of-two multiply (:func:`_unscaled_contraction`):
+
+- a float16/bfloat16 result of 16-bit (or wider) operands is accumulated in float32
+  (``preferred_element_type``), multiplied by ``1/r`` and rounded once to its dtype: the
+  unscaled sum cannot overflow it, the multiply rides on the rounding (XLA:CPU computes a
+  16-bit contraction in float32 and converts; on GPU it is the GEMM's epilogue), and the
+  operands, often weights that the backward pass reads again, stay untouched;
+- otherwise it goes where it costs least, on the smallest of the operands of 16 bits or more
+  and the output (a float32 output is multiplied in a pass of its own on XLA:CPU, which does
+  not fuse it into the contraction, where an operand's multiply joins its producer's
+  kernel); never on an 8-bit (FP8) operand, so that XLA can use FP8 GEMMs (cuBLASLt on
+  Hopper), and never on a narrow output that an operand could take instead.
 
 Under the rescale policy's ``contractions`` (the default), the result of a forward
 contraction is then rescaled from its data: the ``sqrt(K)`` estimate is right for
@@ -39,6 +42,7 @@ from ..core.registry import register_scaled_lax_op
 from ..core.scaling import (
     as_scale,
     mul_data,
+    narrow_range,
     scaled_product,
     sqrt_size_pow2,
 )
@@ -64,7 +68,7 @@ def _can_take_rescale(data: Array) -> bool:
 
 
 def _unscaled_contraction(lhs: Array, rhs: Array, inv_r: Array, contract: Callable[..., Array]) -> Array:
-    """``contract(lhs, rhs) / r`` with the ``1/r`` on the accumulator (see the module docstring).
+    """``contract(lhs, rhs) / r`` with the ``1/r`` placed as the module docstring says.
 
     ``contract(a, b, wide)`` binds the primitive with the equation's params, and with
     ``preferred_element_type=float32`` when ``wide``.
@@ -72,19 +76,25 @@ def _unscaled_contraction(lhs: Array, rhs: Array, inv_r: Array, contract: Callab
     if np.all(inv_r == 1):
         return contract(lhs, rhs, False)
     out = jax.eval_shape(lambda a, b: contract(a, b, False), lhs, rhs)
-    if is_floating_dtype(out.dtype) and jnp.finfo(out.dtype).bits >= 32:
-        return mul_data(contract(lhs, rhs, False), inv_r)
-    if is_floating_dtype(out.dtype) and _can_take_rescale(lhs) and _can_take_rescale(rhs):
+    if _is_16_bit_float(out.dtype) and _can_take_rescale(lhs) and _can_take_rescale(rhs):
         return mul_data(contract(lhs, rhs, True), inv_r).astype(out.dtype)
-    if _can_take_rescale(lhs):
+    candidates = [(_prod(x.shape), i) for i, x in enumerate((lhs, rhs)) if _can_take_rescale(x)]
+    if not (candidates and narrow_range(out.dtype)):
+        candidates.append((_prod(out.shape), -1))  # on a tie the output: no operand moves towards subnormals
+    _, where = min(candidates)
+    if where == 0:
         return contract(mul_data(lhs, inv_r), rhs, False)
-    if _can_take_rescale(rhs):
+    if where == 1:
         return contract(lhs, mul_data(rhs, inv_r), False)
     return mul_data(contract(lhs, rhs, False), inv_r)
 
 
+def _is_16_bit_float(dtype) -> bool:
+    return is_floating_dtype(dtype) and jnp.finfo(dtype).bits == 16
+
+
 def _unit_scaled_contraction(lhs: Any, rhs: Any, fan_in: int, contract: Callable[..., Array]) -> ScaledArray:
-    """``contract`` on the data, ``s = sa * sb * r`` and ``data / r`` on the accumulator."""
+    """``contract`` on the data, ``s = sa * sb * r`` and ``data / r`` (see :func:`_unscaled_contraction`)."""
     r = sqrt_size_pow2(fan_in)
     (lhs_data, lhs_scale), (rhs_data, rhs_scale) = _data_and_scale(lhs), _data_and_scale(rhs)
     out = _unscaled_contraction(lhs_data, rhs_data, as_scale(1 / r), contract)
@@ -108,7 +118,7 @@ def scaled_dot_general(lhs: Any, rhs: Any, *, dimension_numbers, **params) -> Sc
 
     Unit scaling of a sum of K products. All params are kept (``preferred_element_type``: FP8
     operands with a BF16/F32 result stay FP8 GEMMs); 1/r goes on the float32 accumulator
-    (see the module docstring). Operands that share one scale (``x @ x.T``) are first
+    of a 16-bit result, else where it costs least (see the module docstring). Operands that share one scale (``x @ x.T``) are first
     rescaled under the rescale policy's ``self_products``: their product squares the data's
     departure from unit size. In the forward pass the result is rescaled from its data
     under the policy's ``contractions``.

@@ -192,8 +192,8 @@ def test_guarded_matmul_of_zero_data_at_the_largest_scale_stays_zero():
 
 
 @pytest.mark.parametrize("lhs_shape, rhs_shape", [((64, 256), (256, 4)), ((2, 256), (256, 512))])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
-def test_one_over_r_goes_on_the_float32_accumulator(lhs_shape, rhs_shape, dtype):
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_one_over_r_goes_on_the_float32_accumulator_of_a_16_bit_result(lhs_shape, rhs_shape, dtype):
     """The operands (weights the backward pass reads again) reach the contraction as they are."""
     a, b = scaled(np.ones(lhs_shape), 1.0, dtype), scaled(np.ones(rhs_shape), 1.0, dtype)
     fn = jsa.scalify(lambda a, b: a @ b, policy=STATIC_POLICY)
@@ -204,6 +204,23 @@ def test_one_over_r_goes_on_the_float32_accumulator(lhs_shape, rhs_shape, dtype)
     out = fn(a, b)
     assert out.dtype == dtype
     np.testing.assert_array_equal(out.to_array(jnp.float32), np.full((lhs_shape[0], rhs_shape[1]), 256.0))
+
+
+@pytest.mark.parametrize(
+    "lhs_shape, rhs_shape, rescaled",
+    [
+        ((64, 256), (256, 4), "out"),  # output (256 elements) is smallest
+        ((2, 256), (256, 512), "lhs"),  # lhs (512) smaller than output (1024)
+        ((4, 4), (4, 4), "out"),  # tie: the output
+    ],
+)
+def test_one_over_r_goes_where_it_costs_least_for_a_float32_result(lhs_shape, rhs_shape, rescaled):
+    a, b = scaled(np.ones(lhs_shape), 1.0), scaled(np.ones(rhs_shape), 1.0)
+    jaxpr = jax.make_jaxpr(jsa.scalify(lambda a, b: a @ b, policy=STATIC_POLICY))(a, b).jaxpr
+    eqn = _dot_eqn(jaxpr)
+    lhs_direct, rhs_direct = (v in jaxpr.invars for v in eqn.invars)
+    out_direct = eqn.outvars[0] in jaxpr.outvars
+    assert (not lhs_direct, not rhs_direct, not out_direct) == (rescaled == "lhs", rescaled == "rhs", rescaled == "out")
 
 
 def test_conv_pool_matmul_grad_under_jit():
