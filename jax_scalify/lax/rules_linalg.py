@@ -6,11 +6,13 @@ the rules output ``s = sa * sb * r`` and ``data = result / r`` with ``r = pow2(s
 
 The ``1/r`` is an exact power-of-two multiply (:func:`_unscaled_contraction`):
 
-- a float16/bfloat16 result of 16-bit (or wider) operands is accumulated in float32
-  (``preferred_element_type``), multiplied by ``1/r`` and rounded once to its dtype: the
+- a float16 result of 16-bit (or wider) operands is accumulated in float32
+  (``preferred_element_type``), multiplied by ``1/r`` and rounded once to float16: the
   unscaled sum cannot overflow it, the multiply rides on the rounding (XLA:CPU computes a
-  16-bit contraction in float32 and converts; on GPU it is the GEMM's epilogue), and the
-  operands, often weights that the backward pass reads again, stay untouched;
+  float16 contraction in float32 and converts; on GPU it is the GEMM's epilogue), and the
+  operands, often weights that the backward pass reads again, stay untouched (bfloat16, with
+  float32's range, is placed as below: XLA:CPU cannot run some bfloat16 contractions with a
+  float32 result);
 - otherwise it goes where it costs least, on the smallest of the operands of 16 bits or more
   and the output (a float32 output is multiplied in a pass of its own on XLA:CPU, which does
   not fuse it into the contraction, where an operand's multiply joins its producer's
@@ -76,7 +78,7 @@ def _unscaled_contraction(lhs: Array, rhs: Array, inv_r: Array, contract: Callab
     if np.all(inv_r == 1):
         return contract(lhs, rhs, False)
     out = jax.eval_shape(lambda a, b: contract(a, b, False), lhs, rhs)
-    if _is_16_bit_float(out.dtype) and _can_take_rescale(lhs) and _can_take_rescale(rhs):
+    if np.dtype(out.dtype) == np.float16 and _can_take_rescale(lhs) and _can_take_rescale(rhs):
         return mul_data(contract(lhs, rhs, True), inv_r).astype(out.dtype)
     candidates = [(_prod(x.shape), i) for i, x in enumerate((lhs, rhs)) if _can_take_rescale(x)]
     if not (candidates and narrow_range(out.dtype)):
@@ -87,10 +89,6 @@ def _unscaled_contraction(lhs: Array, rhs: Array, inv_r: Array, contract: Callab
     if where == 1:
         return contract(lhs, mul_data(rhs, inv_r), False)
     return mul_data(contract(lhs, rhs, False), inv_r)
-
-
-def _is_16_bit_float(dtype) -> bool:
-    return is_floating_dtype(dtype) and jnp.finfo(dtype).bits == 16
 
 
 def _unit_scaled_contraction(lhs: Any, rhs: Any, fan_in: int, contract: Callable[..., Array]) -> ScaledArray:
@@ -118,7 +116,7 @@ def scaled_dot_general(lhs: Any, rhs: Any, *, dimension_numbers, **params) -> Sc
 
     Unit scaling of a sum of K products. All params are kept (``preferred_element_type``: FP8
     operands with a BF16/F32 result stay FP8 GEMMs); 1/r goes on the float32 accumulator
-    of a 16-bit result, else where it costs least (see the module docstring). Operands that share one scale (``x @ x.T``) are first
+    of a float16 result, else where it costs least (see the module docstring). Operands that share one scale (``x @ x.T``) are first
     rescaled under the rescale policy's ``self_products``: their product squares the data's
     departure from unit size. In the forward pass the result is rescaled from its data
     under the policy's ``contractions``.

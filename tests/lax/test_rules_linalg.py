@@ -192,8 +192,8 @@ def test_guarded_matmul_of_zero_data_at_the_largest_scale_stays_zero():
 
 
 @pytest.mark.parametrize("lhs_shape, rhs_shape", [((64, 256), (256, 4)), ((2, 256), (256, 512))])
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-def test_one_over_r_goes_on_the_float32_accumulator_of_a_16_bit_result(lhs_shape, rhs_shape, dtype):
+@pytest.mark.parametrize("dtype", [jnp.float16])
+def test_one_over_r_goes_on_the_float32_accumulator_of_a_float16_result(lhs_shape, rhs_shape, dtype):
     """The operands (weights the backward pass reads again) reach the contraction as they are."""
     a, b = scaled(np.ones(lhs_shape), 1.0, dtype), scaled(np.ones(rhs_shape), 1.0, dtype)
     fn = jsa.scalify(lambda a, b: a @ b, policy=STATIC_POLICY)
