@@ -338,16 +338,28 @@ def computed_once(x: Array) -> Array:
     """``x``, bit for bit, as a value that XLA computes once rather than in every kernel reading it.
 
     XLA copies a cheap elementwise producer into each kernel that consumes it; a chain of
-    scalar scale arithmetic read by many kernels is then compiled many times (compile time
-    grows with it). A division it does not copy, so ``x``'s bits are divided by an integer
+    scale arithmetic, or of aligned sums, read by many kernels is then compiled (and run)
+    many times. A division it does not copy, so ``x``'s bits are divided by an integer
     that is always 1 (``(bits >> (n - 1)) | 1``: XLA cannot prove it, hence cannot fold it):
-    exact, on the bits, so no floating-point simplification applies. On a GPU the chain
-    before it becomes a kernel of its own: for values read by many kernels only.
+    exact, on the bits, so no floating-point simplification applies. The chain before it
+    becomes the producer of one kernel: for values read by several kernels only.
     """
     if is_numpy(x):
         return x
+    return _bits_divided_by_one(x)
+
+
+@jax.custom_jvp
+def _bits_divided_by_one(x: Array) -> Array:
     dtype = np.dtype(x.dtype)
-    uint = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[dtype.itemsize]
+    uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[dtype.itemsize]
     bits = lax.bitcast_convert_type(x, uint)
     one = lax.shift_right_logical(bits, uint(8 * dtype.itemsize - 1)) | uint(1)
     return lax.bitcast_convert_type(lax.div(bits, one), dtype)
+
+
+@_bits_divided_by_one.defjvp
+def _bits_divided_by_one_jvp(primals, tangents):
+    """The identity's derivative: JAX would see integer bits, whose derivative is 0."""
+    (x,), (t,) = primals, tangents
+    return _bits_divided_by_one(x), t

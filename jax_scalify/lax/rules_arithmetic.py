@@ -31,7 +31,7 @@ from jax.extend.core import primitives as P
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.measure import lowered_to_largest_entry
-from ..core.pow2 import pow2_round_positive_or_one
+from ..core.pow2 import computed_once, pow2_round_positive_or_one
 from ..core.registry import Site, register_scaled_lax_op, register_scaled_op
 from ..core.scaling import (
     as_scale,
@@ -139,20 +139,35 @@ def _sum_scale(a: ScaledArray, b: ScaledArray) -> Array:
 
 
 def _scaled_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, params: dict) -> ScaledArray:
+    """The sum at :func:`_sum_scale`; computed once where both operands are aligned at run time.
+
+    Both operands at their own run-time scales cost a convert-multiply-convert each beside
+    the sum. XLA copies such cheap elementwise work into every kernel that reads the sum,
+    and a residual stream chains one sum per block (forward ``x + f(x)``, backward the
+    cotangents added back), so every block's alignment work was compiled and run again in
+    the kernels of every later block: work that grows as the square of the depth.
+    :func:`~jax_scalify.core.pow2.computed_once` keeps each such sum one kernel's result.
+    """
     scale = _sum_scale(a, b)
     if _is_backward_sum_to_rescale(a, b):
-        return _backward_sum_in_float32(prim, a, b, scale, params)
-    return ScaledArray(_bind(prim, at_scale(a, scale), at_scale(b, scale), **params), scale)
+        out = _backward_sum_in_float32(prim, a, b, scale, params)
+    else:
+        out = ScaledArray(_bind(prim, at_scale(a, scale), at_scale(b, scale), **params), scale)
+    if _aligned_at_run_time(a, b) and np.ndim(out.data):
+        out = ScaledArray.unchecked(
+            computed_once(out.data), out.scale, rescaled=out.rescaled, pinned=out.pinned, sparse=out.sparse
+        )
+    return out
+
+
+def _aligned_at_run_time(a: ScaledArray, b: ScaledArray) -> bool:
+    """Two operands with distinct run-time scales: each has data moved by a run-time factor."""
+    return a.scale is not b.scale and not any(is_any_scale(x) or is_numpy(x.scale) for x in (a, b))
 
 
 def _is_backward_sum_to_rescale(a: ScaledArray, b: ScaledArray) -> bool:
     """A backward-pass sum of two operands with their own run-time scales."""
-    return (
-        a.scale is not b.scale
-        and not (is_any_scale(a) or is_any_scale(b))
-        and not (is_numpy(a.scale) or is_numpy(b.scale))
-        and rescales_in_backward_pass()
-    )
+    return _aligned_at_run_time(a, b) and rescales_in_backward_pass()
 
 
 def _backward_sum_in_float32(prim: Primitive, a: ScaledArray, b: ScaledArray, scale, params: dict) -> ScaledArray:

@@ -187,11 +187,14 @@ def test_sum_scale_shortcut_equals_the_general_formula(sa, sb):
 
 
 def _compiled_scale_ops(config: ScalifyConfig) -> tuple[int, int]:
-    """``(sqrt, divide)`` instructions XLA compiles for the sum of two operands with traced scales."""
+    """``(sqrt, divide)`` scalar float32 instructions XLA compiles for the sum of two operands with traced scales.
+
+    (The sum's data is :func:`computed_once`, an integer division that is not counted.)
+    """
     a, b = jsa.as_scaled_array(jnp.ones((4, 4))), jsa.as_scaled_array(jnp.full((4, 4), 2.0))
     with config:  # a fresh function: JAX caches traces per function
         hlo = jax.jit(lambda a, b: rules_arithmetic.scaled_add(a, b)).lower(a, b).compile().as_text()
-    return hlo.count(" sqrt("), hlo.count(" divide(")
+    return hlo.count(" sqrt("), hlo.count("= f32[] divide(")
 
 
 def test_sum_of_traced_scales_emits_no_sqrt_and_one_division_unless_rounding_is_off():
@@ -250,14 +253,21 @@ def test_pow2_twice_reciprocal_is_exact_from_the_bits(dtype):
     assert np.signbit(out[3]) and not np.signbit(out[2])
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_computed_once_returns_every_value_bit_for_bit(dtype):
     values = np.array([0.0, -0.0, 1.0, -3.5, 2.0**-140, np.inf, -np.inf, np.nan, 6e4, 2.0**-20], np.float32)
     x = jnp.asarray(values).astype(dtype)
     got = jax.jit(computed_once)(x)
-    bits = lambda a: np.asarray(a).view(np.uint16 if np.dtype(dtype).itemsize == 2 else np.uint32)  # noqa: E731
+    uint = {1: np.uint8, 2: np.uint16, 4: np.uint32}[np.dtype(dtype).itemsize]
+    bits = lambda a: np.asarray(a).view(uint)  # noqa: E731
     np.testing.assert_array_equal(bits(got), bits(x))
     assert computed_once(np.float32(2.0)) == 2.0  # NumPy values are returned as they are
+
+
+def test_computed_once_has_the_derivative_of_the_identity():
+    """A scalified function differentiated by ``jax.grad`` outside ``scalify`` reads its sums through it."""
+    assert jax.grad(lambda x: 3.0 * computed_once(x * x))(jnp.float32(2.0)) == 12.0
+    np.testing.assert_array_equal(jax.jvp(computed_once, (jnp.ones(3),), (jnp.arange(3.0),))[1], np.arange(3.0))
 
 
 def test_computed_once_is_one_division_that_xla_keeps():
