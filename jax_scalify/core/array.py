@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import Pow2RoundMode, get_scalify_config
-from .pow2 import computed_once, pow2_exponent, pow2_round_up
+from .pow2 import pow2_exponent, pow2_round_up
 
 Array = Any
 DTypeLike = Any
@@ -528,11 +528,13 @@ def conform_traced_scales(leaves: list) -> list:
 
     The counterpart under ``jax.jit`` of :func:`check_scalify_inputs`' check of concrete
     scales: a traced scale's value is unknown when ``scalify`` traces, so it cannot raise.
-    A scale that is not 0 or a positive power of two (positive and finite under
-    ``Pow2RoundMode.NONE``) becomes NaN, so the value is NaN wherever it goes instead of
-    silently wrong, and the rules' power-of-two contract holds (NaN is allowed). The scales
-    are tested together, one vector per scale dtype, and the data are not touched (measured
-    in ``docs/pytrees.md``), computed once (:func:`~jax_scalify.core.pow2.computed_once`).
+    If a scale is not 0 or a positive power of two (positive and finite under
+    ``Pow2RoundMode.NONE``), every scale of its dtype becomes NaN, so the step's values are
+    NaN instead of silently wrong, and the rules' power-of-two contract holds (NaN is
+    allowed). The scales are tested together, one reduction per scale dtype whose result
+    every scale reads (a value XLA computes once), and the data are not touched (measured in
+    ``docs/pytrees.md``). Each scale stays an input of its own: kernels of blocks with the
+    same shapes stay identical, which XLA compiles once.
     """
     where = [
         i
@@ -547,12 +549,11 @@ def conform_traced_scales(leaves: list) -> list:
         by_dtype.setdefault(np.dtype(leaves[i].scale.dtype), []).append(i)
     out = list(leaves)
     for indices in by_dtype.values():
-        scales = jnp.stack([leaves[i].scale for i in indices])
-        valid = _scale_bits_valid(scales, require_pow2, reduce=False)
-        scales = computed_once(jax.lax.select(valid, scales, jnp.full(scales.shape, np.nan, scales.dtype)))
-        for k, i in enumerate(indices):
+        all_valid = _scale_bits_valid(jnp.stack([leaves[i].scale for i in indices]), require_pow2)
+        for i in indices:
             x = leaves[i]
-            out[i] = ScaledArray.unchecked(x.data, scales[k], any_scale=x.any_scale, slices=x.slices)
+            scale = jax.lax.select(all_valid, x.scale, np.full((), np.nan, x.scale.dtype))
+            out[i] = ScaledArray.unchecked(x.data, scale, any_scale=x.any_scale, slices=x.slices)
     return out
 
 

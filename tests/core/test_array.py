@@ -452,6 +452,30 @@ def test_traced_scales_without_rounding_need_only_be_positive_and_finite(scale, 
         assert np.all(np.isnan(out.to_array()))
 
 
+def test_one_invalid_traced_scale_makes_every_scale_nan():
+    """The check is one reduction over all input scales; its verdict applies to all of them."""
+    tree = {
+        "bad": ScaledArray.unchecked(jnp.array([1.0, 2.0]), jnp.float32(3.0)),
+        "good": jsa.as_scaled_array(jnp.ones(2)),
+    }
+    out = jax.jit(jsa.scalify(lambda t: jax.tree.map(lambda v: v * 2, t)))(tree)
+    assert np.isnan(float(out["bad"].scale)) and np.isnan(float(out["good"].scale))
+
+
+def test_each_traced_scale_stays_an_input_of_its_own():
+    """No kernel reads its scale out of a vector of all scales at an offset of its own: kernels of
+    blocks with the same shapes stay identical (XLA compiles identical kernels once)."""
+    blocks = [jsa.as_scaled_array(jnp.ones((8, 8))) for _ in range(3)]
+
+    def stack(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return x
+
+    hlo = jax.jit(jsa.scalify(stack, policy=jsa.RescalePolicy.static())).lower(blocks, jnp.ones((4, 8))).compile()
+    assert " slice(" not in hlo.as_text()
+
+
 def test_the_check_of_traced_scales_is_compiled_once():
     """XLA copies cheap elementwise producers into every kernel that reads them; the check
     of the input scales (a population count among its operations) is computed once."""
