@@ -617,14 +617,16 @@ def _pow2_rescale_exponents(stats: Array, scales: Array, up: bool, target: int =
     that consume the factors instead of compiling a chain of kernels of its own. With
     ``target``, the statistic moves to ``2**target`` in the data instead of to 1.
     """
-    e_stat, e_scale = _biased_exponent(stats), _biased_exponent(scales)
+    lax = jax.lax
+    stat_bits = lax.bitcast_convert_type(stats, jnp.int32)
+    e_stat = lax.shift_right_logical(stat_bits & _F32_EXPONENT_MASK, _F32_MANTISSA_BITS)
+    e_scale = _biased_exponent(scales)
     if up:
-        mantissa = jax.lax.bitcast_convert_type(stats, jnp.int32) & 0x007FFFFF
-        e_stat = e_stat + (mantissa != 0).astype(jnp.int32)
+        e_stat = e_stat + ((stat_bits & 0x007FFFFF) != 0).astype(jnp.int32)
     valid = (e_stat >= 1) & (e_stat <= 254) & (e_scale >= 1) & (e_scale <= 254)
-    new_scale_exponent = jnp.clip(e_scale + e_stat - (_F32_BIAS + target), 1, 254)
-    shift = jnp.where(valid, jnp.clip(new_scale_exponent - e_scale, -126, 126), 0)
-    return _from_biased_exponent(_F32_BIAS - shift), jnp.where(valid, _from_biased_exponent(e_scale + shift), scales)
+    new_scale_exponent = lax.clamp(np.int32(1), e_scale + e_stat - (_F32_BIAS + target), np.int32(254))
+    shift = _select(valid, lax.clamp(np.int32(-126), new_scale_exponent - e_scale, np.int32(126)), 0)
+    return _from_biased_exponent(_F32_BIAS - shift), lax.select(valid, _from_biased_exponent(e_scale + shift), scales)
 
 
 def _rms_path(xs, norm, sample_size, min_scale, mode, work) -> bool:
@@ -798,7 +800,10 @@ def narrowed_for_storage(
     gets its root mean square as scale, rounded with the configured mode; the mean of the
     clamped squares of :func:`_one_pass_statistic` is exact for entries in
     ``[2**-60, 2**50]``. All statistics of one shape are one reduction
-    (:func:`batched_statistics`); the exponent arithmetic is done once for the batch.
+    (:func:`batched_statistics`). The exponent arithmetic is done on each tensor's scalars,
+    which XLA copies into the kernel applying them: tensors of one shape then have
+    identical kernels, which XLA compiles once (vectors of the batch, sliced at each
+    tensor's offset, would make every tensor's kernels distinct).
     """
     mode = get_scalify_config().rounding_mode
     batched = [i for i, x in enumerate(xs) if _storable(x)]
@@ -813,21 +818,13 @@ def narrowed_for_storage(
         jax.lax.stop_gradient(unit_rms[i].data) for i in unit
     ]
     stats = batched_statistics(datas, ["max"] * len(batched) + ["mean_square"] * len(unit))
-    if batched:
-        peaks = jnp.stack(stats[: len(batched)])
-        scales = jnp.stack([jnp.asarray(as_scale(xs[i].scale), np.float32) for i in batched])
-        targets = np.asarray([_storage_target(dtypes[i]) for i in batched], np.int32)
-        target = int(targets[0]) if np.all(targets == targets[0]) else targets
-        inverses, new_scales = _pow2_rescale_exponents(peaks, scales, up=True, target=target)
-        new_scales = _select(jax.lax.ne(peaks, jnp.zeros_like(peaks)), new_scales, 0)
-        for k, x in zip(batched, _sliced([xs[i] for i in batched], inverses, new_scales)):
-            stored[k] = ScaledArray(x.data.astype(dtypes[k]), x.scale)
-    if unit:
-        factors = _pow2_rms_of_means(jnp.stack(stats[len(batched) :]), mode == Pow2RoundMode.UP)
-        scales = jnp.stack([jnp.asarray(as_scale(unit_rms[i].scale), np.float32) for i in unit])
-        inverses, new_scales = _moved_scales(scales, factors)
-        for k, x in zip(unit, _sliced([unit_rms[i] for i in unit], inverses, new_scales)):
-            rescaled[k] = x
+    for k, peak in zip(batched, stats):
+        scale = jnp.asarray(as_scale(xs[k].scale), np.float32)
+        inverse, new_scale = _pow2_rescale_exponents(peak, scale, up=True, target=_storage_target(dtypes[k]))
+        new_scale = _select(jax.lax.ne(peak, np.float32(0)), new_scale, 0)
+        stored[k] = ScaledArray(mul_data(xs[k].data, inverse).astype(dtypes[k]), new_scale)
+    for k, mean in zip(unit, stats[len(batched) :]):
+        rescaled[k] = _moved_by(unit_rms[k], _pow2_rms_of_means(mean, mode == Pow2RoundMode.UP))
     return stored, rescaled
 
 
