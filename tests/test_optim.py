@@ -251,18 +251,6 @@ def test_update_measures_the_moments_of_one_shape_in_one_reduction():
     assert _reductions(jax.make_jaxpr(update)(params, state, params).jaxpr) == 3
 
 
-def test_parameters_of_one_shape_get_identical_kernels():
-    """The exponent arithmetic of storing runs on each tensor's scalars: no kernel reads its
-    factor out of a vector of the batch at an offset of its own, so parameters of one shape
-    (a model's repeated blocks) have identical kernels, which XLA compiles once."""
-    shape = (64, 64)
-    params = jsa.tree.astype(jsa.as_scaled_array({"a": jnp.full(shape, 0.02), "b": jnp.full(shape, 0.03)}), jnp.float16)
-    tx = scale_state(optax.adam(1e-3), jnp.float16)
-    update = jax.jit(jsa.scalify(tx.update, policy=jsa.RescalePolicy.static()))
-    hlo = update.lower(params, tx.init(params), params).compile().as_text()
-    assert " slice(" not in hlo
-
-
 def test_a_moment_that_becomes_all_zero_gets_scale_zero_and_keeps_its_zeros():
     """All zeros are stored at scale 0, which the next update reads as "all zero": no floor, no reduction."""
     tx = scale_state(optax.sgd(1.0, momentum=0.5), jnp.float16, compensate=False)

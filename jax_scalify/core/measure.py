@@ -800,10 +800,7 @@ def narrowed_for_storage(
     gets its root mean square as scale, rounded with the configured mode; the mean of the
     clamped squares of :func:`_one_pass_statistic` is exact for entries in
     ``[2**-60, 2**50]``. All statistics of one shape are one reduction
-    (:func:`batched_statistics`). The exponent arithmetic is done on each tensor's scalars,
-    which XLA copies into the kernel applying them: tensors of one shape then have
-    identical kernels, which XLA compiles once (vectors of the batch, sliced at each
-    tensor's offset, would make every tensor's kernels distinct).
+    (:func:`batched_statistics`); the exponent arithmetic is done once for the batch.
     """
     mode = get_scalify_config().rounding_mode
     batched = [i for i, x in enumerate(xs) if _storable(x)]
@@ -818,13 +815,21 @@ def narrowed_for_storage(
         jax.lax.stop_gradient(unit_rms[i].data) for i in unit
     ]
     stats = batched_statistics(datas, ["max"] * len(batched) + ["mean_square"] * len(unit))
-    for k, peak in zip(batched, stats):
-        scale = jnp.asarray(as_scale(xs[k].scale), np.float32)
-        inverse, new_scale = _pow2_rescale_exponents(peak, scale, up=True, target=_storage_target(dtypes[k]))
-        new_scale = _select(jax.lax.ne(peak, np.float32(0)), new_scale, 0)
-        stored[k] = ScaledArray(mul_data(xs[k].data, inverse).astype(dtypes[k]), new_scale)
-    for k, mean in zip(unit, stats[len(batched) :]):
-        rescaled[k] = _moved_by(unit_rms[k], _pow2_rms_of_means(mean, mode == Pow2RoundMode.UP))
+    if batched:
+        peaks = jnp.stack(stats[: len(batched)])
+        scales = jnp.stack([jnp.asarray(as_scale(xs[i].scale), np.float32) for i in batched])
+        targets = np.asarray([_storage_target(dtypes[i]) for i in batched], np.int32)
+        target = int(targets[0]) if np.all(targets == targets[0]) else targets
+        inverses, new_scales = _pow2_rescale_exponents(peaks, scales, up=True, target=target)
+        new_scales = _select(jax.lax.ne(peaks, jnp.zeros_like(peaks)), new_scales, 0)
+        for k, x in zip(batched, _sliced([xs[i] for i in batched], inverses, new_scales)):
+            stored[k] = ScaledArray(x.data.astype(dtypes[k]), x.scale)
+    if unit:
+        factors = _pow2_rms_of_means(jnp.stack(stats[len(batched) :]), mode == Pow2RoundMode.UP)
+        scales = jnp.stack([jnp.asarray(as_scale(unit_rms[i].scale), np.float32) for i in unit])
+        inverses, new_scales = _moved_scales(scales, factors)
+        for k, x in zip(unit, _sliced([unit_rms[i] for i in unit], inverses, new_scales)):
+            rescaled[k] = x
     return stored, rescaled
 
 
