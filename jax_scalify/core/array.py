@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import Pow2RoundMode, get_scalify_config
-from .pow2 import pow2_exponent, pow2_round_up
+from .pow2 import computed_once, pow2_exponent, pow2_round_up
 
 Array = Any
 DTypeLike = Any
@@ -524,17 +524,19 @@ def check_scalify_inputs(leaves: list, tree: Any = None, nested: bool = False) -
 
 
 def conform_traced_scales(leaves: list) -> list:
-    """The leaves that ``scalify`` receives, each traced scale that is not a valid scale made NaN.
+    """The leaves that ``scalify`` receives, every traced scale made NaN if one is not a valid scale.
 
     The counterpart under ``jax.jit`` of :func:`check_scalify_inputs`' check of concrete
     scales: a traced scale's value is unknown when ``scalify`` traces, so it cannot raise.
     If a scale is not 0 or a positive power of two (positive and finite under
     ``Pow2RoundMode.NONE``), every scale of its dtype becomes NaN, so the step's values are
     NaN instead of silently wrong, and the rules' power-of-two contract holds (NaN is
-    allowed). The scales are tested together, one reduction per scale dtype whose result
-    every scale reads (a value XLA computes once), and the data are not touched (measured in
-    ``docs/pytrees.md``). Each scale stays an input of its own: kernels of blocks with the
-    same shapes stay identical, which XLA compiles once.
+    allowed). The scales are tested together, one vector per scale dtype, and the data are
+    not touched (measured in ``docs/pytrees.md``). Lowered for XLA:CPU the verdict is one
+    reduction that every scale reads, each scale staying an input of its own: kernels of
+    same-shaped blocks stay identical, which XLA:CPU compiles once. Elsewhere the checked
+    scales are one vector computed once, sliced by its readers: XLA:GPU fuses the kernels
+    that share it (``lax.platform_dependent`` picks the form at lowering).
     """
     where = [
         i
@@ -549,12 +551,29 @@ def conform_traced_scales(leaves: list) -> list:
         by_dtype.setdefault(np.dtype(leaves[i].scale.dtype), []).append(i)
     out = list(leaves)
     for indices in by_dtype.values():
-        all_valid = _scale_bits_valid(jnp.stack([leaves[i].scale for i in indices]), require_pow2)
-        for i in indices:
+        scales = jax.lax.platform_dependent(
+            *[leaves[i].scale for i in indices],
+            cpu=functools.partial(_checked_apart, require_pow2),
+            default=functools.partial(_checked_together, require_pow2),
+        )
+        for i, scale in zip(indices, scales):
             x = leaves[i]
-            scale = jax.lax.select(all_valid, x.scale, np.full((), np.nan, x.scale.dtype))
             out[i] = ScaledArray.unchecked(x.data, scale, any_scale=x.any_scale, slices=x.slices)
     return out
+
+
+def _checked_apart(require_pow2: bool, *scales: Array) -> list[Array]:
+    """Each scale, or NaN if any is invalid: one reduction, each scale still an input of its own."""
+    all_valid = _scale_bits_valid(jnp.stack(scales), require_pow2)
+    return [jax.lax.select(all_valid, s, np.full((), np.nan, s.dtype)) for s in scales]
+
+
+def _checked_together(require_pow2: bool, *scales: Array) -> list[Array]:
+    """Each scale, or NaN if any is invalid: one vector computed once, sliced by its readers."""
+    stacked = jnp.stack(scales)
+    all_valid = jnp.broadcast_to(_scale_bits_valid(stacked, require_pow2), stacked.shape)
+    stacked = computed_once(jax.lax.select(all_valid, stacked, jnp.full(stacked.shape, np.nan, stacked.dtype)))
+    return [stacked[k] for k in range(len(scales))]
 
 
 def _scale_bits_valid(scale: Array, require_pow2: bool, reduce: bool = True) -> Array:

@@ -476,6 +476,16 @@ def test_each_traced_scale_stays_an_input_of_its_own():
     assert " slice(" not in hlo.as_text()
 
 
+def test_off_cpu_the_traced_scales_are_checked_as_one_vector():
+    """XLA:GPU fuses sibling kernels that share an operand: there the checked scales are one
+    vector computed once, which its readers slice (fewer H100 kernels; see docs/benchmarks.md)."""
+    blocks = [jsa.as_scaled_array(jnp.ones((8, 8))) for _ in range(3)]
+    fn = jax.jit(jsa.scalify(lambda ws, x: [x @ w for w in ws], policy=jsa.RescalePolicy.static()))
+    traced = fn.trace(blocks, jnp.ones((4, 8)))
+    assert traced.lower(lowering_platforms=("cuda",)).as_text().count("stablehlo.slice") == 3
+    assert traced.lower(lowering_platforms=("cpu",)).as_text().count("stablehlo.slice") == 0
+
+
 def test_the_check_of_traced_scales_is_compiled_once():
     """XLA copies cheap elementwise producers into every kernel that reads them; the check
     of the input scales (a population count among its operations) is computed once."""
