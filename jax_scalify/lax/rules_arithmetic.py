@@ -144,8 +144,8 @@ def _scaled_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, params: dict) -
     Both operands at their own run-time scales cost a convert-multiply-convert each beside
     the sum. XLA copies such cheap elementwise work into every kernel that reads the sum,
     and a residual stream chains one sum per block (forward ``x + f(x)``, backward the
-    cotangents added back), so every block's alignment work was compiled and run again in
-    the kernels of every later block: work that grows as the square of the depth.
+    cotangents added back): copied, every block's alignment work would be compiled and run
+    again in the kernels of every later block, work that grows as the square of the depth.
     :func:`~jax_scalify.core.pow2.computed_once` keeps each such sum one kernel's result.
     """
     scale = _sum_scale(a, b)
