@@ -576,9 +576,8 @@ def _checked_together(require_pow2: bool, *scales: Array) -> list[Array]:
     return [stacked[k] for k in range(len(scales))]
 
 
-def _scale_bits_valid(scale: Array, require_pow2: bool, reduce: bool = True) -> Array:
-    """True where ``scale`` is +-0 or positive finite (and a power of two if ``require_pow2``):
-    for all its elements (``reduce``) or elementwise.
+def _scale_bits_valid(scale: Array, require_pow2: bool) -> Array:
+    """True if every element of ``scale`` is +-0 or positive finite (and a power of two if ``require_pow2``).
 
     Reads the bit pattern with integer operations only: comparisons of floats would treat
     subnormal scales as zero on backends that flush them.
@@ -600,7 +599,7 @@ def _scale_bits_valid(scale: Array, require_pow2: bool, reduce: bool = True) -> 
         normal_pow2 = (exponent != 0) & (mantissa == 0)
         subnormal_pow2 = (exponent == 0) & (jax.lax.population_count(mantissa) == 1)
         valid = zero | (finite_positive & (normal_pow2 | subnormal_pow2))
-    return jnp.all(valid) if reduce else valid
+    return jnp.all(valid)
 
 
 @functools.partial(jax.jit, static_argnums=0)
