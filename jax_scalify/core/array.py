@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import Pow2RoundMode, get_scalify_config
-from .pow2 import computed_once, pow2_exponent, pow2_round_up
+from .pow2 import map_scalars, pow2_exponent, pow2_round_up
 
 Array = Any
 DTypeLike = Any
@@ -531,12 +531,10 @@ def conform_traced_scales(leaves: list) -> list:
     If a scale is not 0 or a positive power of two (positive and finite under
     ``Pow2RoundMode.NONE``), every scale of its dtype becomes NaN, so the step's values are
     NaN instead of silently wrong, and the rules' power-of-two contract holds (NaN is
-    allowed). The scales are tested together, one vector per scale dtype, and the data are
-    not touched (measured in ``docs/pytrees.md``). Lowered for XLA:CPU the verdict is one
-    reduction that every scale reads, each scale staying an input of its own: kernels of
-    same-shaped blocks stay identical, which XLA:CPU compiles once. Elsewhere the checked
-    scales are one vector computed once, sliced by its readers: XLA:GPU fuses the kernels
-    that share it (``lax.platform_dependent`` picks the form at lowering).
+    allowed). The scales are tested together, one reduction per scale dtype whose verdict
+    every scale reads, and the data are not touched (measured in ``docs/pytrees.md``). The
+    verdict is applied by :func:`~jax_scalify.core.pow2.map_scalars`: on XLA:CPU each scale
+    stays an input of its own, so kernels of same-shaped blocks stay identical.
     """
     where = [
         i
@@ -551,29 +549,17 @@ def conform_traced_scales(leaves: list) -> list:
         by_dtype.setdefault(np.dtype(leaves[i].scale.dtype), []).append(i)
     out = list(leaves)
     for indices in by_dtype.values():
-        scales = jax.lax.platform_dependent(
-            *[leaves[i].scale for i in indices],
-            cpu=functools.partial(_checked_apart, require_pow2),
-            default=functools.partial(_checked_together, require_pow2),
-        )
-        for i, scale in zip(indices, scales):
+        scales = [leaves[i].scale for i in indices]
+        all_valid = _scale_bits_valid(jnp.stack(scales), require_pow2)
+        checked = map_scalars(functools.partial(_nan_unless, all_valid), scales)
+        for i, (scale,) in zip(indices, checked):
             x = leaves[i]
             out[i] = ScaledArray.unchecked(x.data, scale, any_scale=x.any_scale, slices=x.slices)
     return out
 
 
-def _checked_apart(require_pow2: bool, *scales: Array) -> list[Array]:
-    """Each scale, or NaN if any is invalid: one reduction, each scale still an input of its own."""
-    all_valid = _scale_bits_valid(jnp.stack(scales), require_pow2)
-    return [jax.lax.select(all_valid, s, np.full((), np.nan, s.dtype)) for s in scales]
-
-
-def _checked_together(require_pow2: bool, *scales: Array) -> list[Array]:
-    """Each scale, or NaN if any is invalid: one vector computed once, sliced by its readers."""
-    stacked = jnp.stack(scales)
-    all_valid = jnp.broadcast_to(_scale_bits_valid(stacked, require_pow2), stacked.shape)
-    stacked = computed_once(jax.lax.select(all_valid, stacked, jnp.full(stacked.shape, np.nan, stacked.dtype)))
-    return [stacked[k] for k in range(len(scales))]
+def _nan_unless(valid: Array, scale: Array) -> tuple[Array]:
+    return (jax.lax.select(valid, scale, jnp.full(jnp.shape(scale), np.nan, scale.dtype)),)
 
 
 def _scale_bits_valid(scale: Array, require_pow2: bool) -> Array:

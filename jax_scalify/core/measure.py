@@ -27,7 +27,7 @@ import numpy as np
 
 from .array import ScaledArray, is_floating_dtype, narrow_range
 from .config import Pow2RoundMode, get_scalify_config
-from .pow2 import computed_once, pow2_round, pow2_round_down, pow2_round_up
+from .pow2 import map_scalars, pow2_round, pow2_round_down, pow2_round_up
 
 Array = Any
 NormFn = Callable[[Array], Array]
@@ -473,9 +473,9 @@ def rescale_scaled_arrays(
 
     The policy's own case (sampled RMS, float32 scales, rounding up or down) rounds each
     statistic to a power of two in the kernel of its reduction (:func:`_pow2_rms_of_means`) and moves
-    it into the scale in a dozen scalar operations (:func:`_moved_by`), which XLA copies into
-    every kernel that reads the new scale: fewer compiled instructions than rounding after
-    the reduction.
+    it into the scale in a dozen scalar operations (:func:`_moved_scales`), which XLA copies
+    into every kernel that reads the new scale: fewer compiled instructions than rounding
+    after the reduction. The scalar arithmetic of a batch takes :func:`_rescaled_rows`.
     """
     if not xs:
         return []
@@ -502,18 +502,22 @@ def rescale_scaled_arrays(
         )
         means, zeros = stats[: len(samples)], iter(stats[len(samples) :])
         floors = [_sparse_floor(next(zeros)) if z else None for z in floored]
-        if len(xs) == 1:
-            return [_moved_by(xs[0], _pow2_rms_of_means(means[0], up, peaks[0], floors[0]))]
-        factors = _pow2_rms_of_means(jnp.stack(means), up, _stacked_or_none(peaks), _stacked_or_none(floors))
-        inverses, new_scales = _moved_scales(jnp.stack([jnp.asarray(as_scale(x.scale)) for x in xs]), factors)
-        return _sliced(xs, inverses, new_scales)
+        bounds = [column for column in (_column_or_none(peaks), _column_or_none(floors)) if column is not None]
+        has_peak, has_floor = any(p is not None for p in peaks), any(f is not None for f in floors)
+
+        def moved(scale, mean, *bound):
+            peak = bound[0] if has_peak else None
+            floor = bound[-1] if has_floor else None
+            return _moved_scales(scale, _pow2_rms_of_means(mean, up, peak, floor))
+
+        return _rescaled_rows(xs, moved, means, *bounds)
     floors = [_sparse_floor(jnp.mean((d == 0).astype(np.float32))) if z else None for d, z in zip(samples, floored)]
     stats = _batch_statistics(samples, norm, work, one_pass=sample_size is not None if one_pass is None else one_pass)
     stats = [stat if peak is None else _at_least(stat, peak) for stat, peak in zip(stats, peaks)]
     stats = [stat if floor is None else _at_least(stat, floor) for stat, floor in zip(stats, floors)]
     scales = [jnp.asarray(as_scale(x.scale)) for x in xs]
     if len(xs) > 1 and min_scale is None and all(_exponent_path(t, s, mode) for t, s in zip(stats, scales)):
-        return _moved_together(xs, stats, scales, mode == Pow2RoundMode.UP)
+        return _moved_together(xs, stats, mode == Pow2RoundMode.UP)
     stats = _joined(stats)
     outs = []
     for stat, x in zip(stats, xs):
@@ -527,36 +531,27 @@ def rescale_scaled_arrays(
     return outs
 
 
-def _moved_together(xs: list[ScaledArray], stats: list[Array], scales: list[Array], up: bool) -> list[ScaledArray]:
-    """Each ``x`` with its statistic moved into its scale, the exponent arithmetic done once on the stacked scalars.
+def _moved_together(xs: list[ScaledArray], stats: list[Array], up: bool) -> list[ScaledArray]:
+    """Each ``x`` with its statistic moved into its scale by :func:`_pow2_rescale_exponents`, as one batch."""
+    return _rescaled_rows(xs, lambda scale, stat: _pow2_rescale_exponents(stat, scale, up), stats)
 
-    :func:`_pow2_rescale_exponents` on two vectors instead of on each tensor's scalars: one
-    set of scalar operations for the batch, then a slice per tensor. The stack waits for
-    every statistic, so on sharded data XLA combines the batch's all-reduces.
+
+def _rescaled_rows(xs: Sequence[ScaledArray], fn: Callable, *columns: Sequence[Array]) -> list[ScaledArray]:
+    """Each ``x`` with its data multiplied by ``inverse`` and ``new_scale`` as scale, ``(inverse, new_scale) = fn(scale, *row)``.
+
+    ``fn`` is elementwise; :func:`~jax_scalify.core.pow2.map_scalars` applies it in the form
+    each compiler wants for a batch of tensors.
     """
-    inverses, new_scales = _pow2_rescale_exponents(jnp.stack(stats), jnp.stack(scales), up)
-    return _sliced(xs, inverses, new_scales)
+    scales = [jnp.asarray(as_scale(x.scale)) for x in xs]
+    rows = map_scalars(fn, scales, *columns)
+    return [ScaledArray(mul_data(x.data, inverse), new_scale) for x, (inverse, new_scale) in zip(xs, rows)]
 
 
-def _sliced(xs: list[ScaledArray], inverses: Array, new_scales: Array) -> list[ScaledArray]:
-    """Each ``x`` with its data multiplied by its entry of ``inverses`` and its scale its entry of ``new_scales``.
-
-    The batch's vectors are :func:`~jax_scalify.core.pow2.computed_once`: each tensor's
-    kernels read their entries instead of recomputing the batch's exponent arithmetic.
-    """
-    inverses, new_scales = computed_once(inverses), computed_once(new_scales)
-    index = jax.lax.index_in_dim
-    return [
-        ScaledArray(mul_data(x.data, index(inverses, i, keepdims=False)), index(new_scales, i, keepdims=False))
-        for i, x in enumerate(xs)
-    ]
-
-
-def _stacked_or_none(bounds: list[Array | None]) -> Array | None:
-    """The per-tensor bounds as one vector (0, no bound, where a tensor has none), or None if none has one."""
+def _column_or_none(bounds: list[Array | None]) -> list[Array] | None:
+    """The per-tensor bounds (0, no bound, where a tensor has none), or None if none has one."""
     if all(b is None for b in bounds):
         return None
-    return jnp.stack([np.float32(0) if b is None else jnp.asarray(b, np.float32) for b in bounds])
+    return [np.float32(0) if b is None else jnp.asarray(b, np.float32) for b in bounds]
 
 
 def _select(pred: Array, on_true: Array, on_false: float) -> Array:
@@ -800,7 +795,7 @@ def narrowed_for_storage(
     gets its root mean square as scale, rounded with the configured mode; the mean of the
     clamped squares of :func:`_one_pass_statistic` is exact for entries in
     ``[2**-60, 2**50]``. All statistics of one shape are one reduction
-    (:func:`batched_statistics`); the exponent arithmetic is done once for the batch.
+    (:func:`batched_statistics`); the exponent arithmetic is :func:`_rescaled_rows`.
     """
     mode = get_scalify_config().rounding_mode
     batched = [i for i, x in enumerate(xs) if _storable(x)]
@@ -816,21 +811,26 @@ def narrowed_for_storage(
     ]
     stats = batched_statistics(datas, ["max"] * len(batched) + ["mean_square"] * len(unit))
     if batched:
-        peaks = jnp.stack(stats[: len(batched)])
-        scales = jnp.stack([jnp.asarray(as_scale(xs[i].scale), np.float32) for i in batched])
-        targets = np.asarray([_storage_target(dtypes[i]) for i in batched], np.int32)
-        target = int(targets[0]) if np.all(targets == targets[0]) else targets
-        inverses, new_scales = _pow2_rescale_exponents(peaks, scales, up=True, target=target)
-        new_scales = _select(jax.lax.ne(peaks, jnp.zeros_like(peaks)), new_scales, 0)
-        for k, x in zip(batched, _sliced([xs[i] for i in batched], inverses, new_scales)):
+        targets = [np.int32(_storage_target(dtypes[i])) for i in batched]
+        moved = _rescaled_rows([xs[i] for i in batched], _moved_to_storage, stats[: len(batched)], targets)
+        for k, x in zip(batched, moved):
             stored[k] = ScaledArray(x.data.astype(dtypes[k]), x.scale)
     if unit:
-        factors = _pow2_rms_of_means(jnp.stack(stats[len(batched) :]), mode == Pow2RoundMode.UP)
-        scales = jnp.stack([jnp.asarray(as_scale(unit_rms[i].scale), np.float32) for i in unit])
-        inverses, new_scales = _moved_scales(scales, factors)
-        for k, x in zip(unit, _sliced([unit_rms[i] for i in unit], inverses, new_scales)):
+        up = mode == Pow2RoundMode.UP
+        moved = _rescaled_rows(
+            [unit_rms[i] for i in unit],
+            lambda scale, mean: _moved_scales(scale, _pow2_rms_of_means(mean, up)),
+            stats[len(batched) :],
+        )
+        for k, x in zip(unit, moved):
             rescaled[k] = x
     return stored, rescaled
+
+
+def _moved_to_storage(scale: Array, peak: Array, target: Array) -> tuple[Array, Array]:
+    """``(inverse, new_scale)`` putting the largest entry ``peak`` in ``(2**(target-1), 2**target]``; scale 0 for zero data."""
+    inverse, new_scale = _pow2_rescale_exponents(peak, scale, up=True, target=target)
+    return inverse, _select(jax.lax.ne(peak, jnp.zeros_like(peak)), new_scale, 0)
 
 
 def rebalanced(x: ScaledArray, factor: Array) -> ScaledArray:

@@ -11,6 +11,8 @@ tracers (computed with ``jax.numpy``).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -363,3 +365,34 @@ def _bits_divided_by_one_jvp(primals, tangents):
     """The identity's derivative: JAX would see integer bits, whose derivative is 0."""
     (x,), (t,) = primals, tangents
     return _bits_divided_by_one(x), t
+
+
+def map_scalars(fn: Callable[..., tuple[Array, ...]], *columns: Sequence[Array]) -> list[tuple[Array, ...]]:
+    """``fn`` applied to each row of scalars ``(columns[0][i], columns[1][i], ...)``: one tuple of results per row.
+
+    ``fn`` must be elementwise (the same arithmetic on scalars as on vectors), as the scale
+    arithmetic of a batch of tensors is. XLA:CPU and XLA:GPU want it in different forms, so
+    ``lax.platform_dependent`` picks at lowering. For XLA:CPU, ``fn`` runs on each row's
+    scalars, which XLA copies into the kernels that read them: kernels of same-shaped tensors
+    stay identical, and XLA:CPU compiles identical kernels once. Elsewhere ``fn`` runs once on
+    the stacked columns, :func:`computed_once`, each row reading its entries: XLA:GPU fuses
+    sibling kernels that read one vector into one kernel. A single row takes the first form.
+    """
+    n = len(columns[0])
+    if n == 1:
+        return [tuple(fn(*(column[0] for column in columns)))]
+    flat = [jnp.asarray(x) for column in columns for x in column]
+    apart, together = functools.partial(_mapped_apart, fn, n), functools.partial(_mapped_together, fn, n)
+    return jax.lax.platform_dependent(*flat, cpu=apart, default=together)
+
+
+def _mapped_apart(fn: Callable, n: int, *flat: Array) -> list[tuple[Array, ...]]:
+    """``fn`` on each row's scalars; ``flat`` holds the columns one after the other."""
+    return [tuple(fn(*flat[i::n])) for i in range(n)]
+
+
+def _mapped_together(fn: Callable, n: int, *flat: Array) -> list[tuple[Array, ...]]:
+    """``fn`` once on the stacked columns, each result computed once and sliced per row."""
+    outs = fn(*(jnp.stack(flat[j : j + n]) for j in range(0, len(flat), n)))
+    outs = [computed_once(out) for out in outs]
+    return [tuple(out[i] for out in outs) for i in range(n)]

@@ -1,5 +1,7 @@
+import functools
 import itertools
 
+import chex
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -14,13 +16,20 @@ from jax_scalify.core import (
     ScaledArray,
     ScalifyConfig,
     get_mantissa,
+    pow2,
     pow2_decompose,
     pow2_exponent,
     pow2_round,
     pow2_round_down,
     pow2_round_up,
 )
-from jax_scalify.core.pow2 import computed_once, pow2_round_positive_or_one, pow2_twice_reciprocal, scales_are_pow2
+from jax_scalify.core.pow2 import (
+    computed_once,
+    map_scalars,
+    pow2_round_positive_or_one,
+    pow2_twice_reciprocal,
+    scales_are_pow2,
+)
 from jax_scalify.lax import rules_arithmetic
 from tests.invariance import assert_pow2_scales
 
@@ -280,3 +289,37 @@ def test_computed_once_is_one_division_that_xla_keeps():
     args = (jnp.float32(3.0), jnp.ones(8), jnp.ones(8), jnp.ones((8, 8)))
     hlo = jax.jit(many_consumers).lower(*args).compile().as_text()
     assert hlo.count("constant(3.25)") == 1
+
+
+def _moved(scale, stat):
+    """Elementwise scale arithmetic of the kind a batch of rescales does."""
+    factor = pow2_round_positive_or_one(stat)
+    return 1 / factor, scale * factor
+
+
+def test_map_scalars_gives_each_row_fn_of_its_scalars_in_both_forms():
+    scales = [jnp.float32(2.0**k) for k in (-3, 0, 5, 9)]
+    stats = [jnp.float32(v) for v in (0.3, 0.0, 7.5, np.inf)]
+    expected = [_moved(s, t) for s, t in zip(scales, stats)]
+    got = jax.jit(lambda a, b: map_scalars(_moved, a, b))(scales, stats)
+    flat = scales + stats
+    for form in (pow2._mapped_apart, pow2._mapped_together):
+        rows = jax.jit(functools.partial(form, _moved, 4))(*flat)
+        for row, want in zip(rows, expected):
+            chex.assert_trees_all_equal(tuple(row), tuple(want))
+    for row, want in zip(got, expected):
+        chex.assert_trees_all_equal(tuple(row), tuple(want))
+
+
+def test_map_scalars_reads_each_row_apart_on_cpu_and_one_vector_elsewhere():
+    """XLA:CPU compiles identical kernels once: a kernel slicing a batch vector at its row's offset
+    is distinct from every other. XLA:GPU fuses sibling kernels that read one vector."""
+
+    def apply(xs, scales, stats):
+        rows = map_scalars(_moved, scales, stats)
+        return [x * inverse * new_scale for x, (inverse, new_scale) in zip(xs, rows)]
+
+    args = ([jnp.ones((8, 8))] * 3, [jnp.float32(1.0)] * 3, [jnp.float32(3.0)] * 3)
+    traced = jax.jit(apply).trace(*args)
+    assert traced.lower(lowering_platforms=("cpu",)).as_text().count("stablehlo.slice") == 0
+    assert traced.lower(lowering_platforms=("cuda",)).as_text().count("stablehlo.slice") == 6
