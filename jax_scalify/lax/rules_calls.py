@@ -12,7 +12,10 @@ no rule.
 
 What is known about a ``ScaledArray`` argument (its
 :class:`~jax_scalify.core.array.ScaleFacts`) is pytree aux data, so it enters and leaves the
-jitted body with the value; powers of two need nothing (they are the contract).
+jitted body with the value; powers of two need nothing (they are the contract). A scale
+known at trace time crosses the boundary as a constant in both directions: baked into the
+body for an argument, returned as aux data (:class:`_BakedScale`) for a result, so that
+the scale arithmetic after the call still folds in Python.
 
 The rules take their inputs unpromoted (as the control-flow rules do): an unscaled argument
 stays unscaled inside the sub-jaxpr until one of its equations meets a scaled value, so
@@ -99,7 +102,7 @@ def _jitted_body(
                 args.append(ScaledArray(next(dynamic), scales[i]))
             else:
                 args.append(next(dynamic))
-        return eval_closed_jaxpr(jaxpr, args)
+        return [_BakedScale(out) if _is_const_scale(out) else out for out in eval_closed_jaxpr(jaxpr, args)]
 
     body.__name__ = name
     return jax.jit(body, inline=inline, keep_unused=keep_unused)
@@ -131,6 +134,26 @@ def _is_const_scale(arg) -> bool:
     )
 
 
+@jax.tree_util.register_pytree_node_class
+class _BakedScale:
+    """A result of a jitted body whose scale is a trace-time constant: the scale is aux data, not an output."""
+
+    def __init__(self, value: ScaledArray):
+        self.value = value
+
+    def tree_flatten(self):
+        x = self.value
+        scale = np.asarray(x.scale)
+        return (x.data, *(x.slices or ())), (scale.dtype.str, scale.shape, tuple(scale.ravel().tolist()), x.facts)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        dtype, shape, values, facts = aux
+        data, *slices = children
+        scale = np.asarray(values, dtype).reshape(shape)
+        return cls(ScaledArray.tree_unflatten(facts, (data, scale, *slices)))
+
+
 @register_scaled_op(jit_p, unpromoted_inputs=True)
 def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: bool, **params):
     """Sub-jaxpr scalified and re-emitted as a jitted call with the same name and options."""
@@ -148,7 +171,7 @@ def scaled_jit(*args, jaxpr: ClosedJaxpr, name: str, inline: bool, keep_unused: 
     signature = _CallSignature(tuple(known), tuple(const_scales))
     context = (get_scalify_config(), active_policy(), in_backward_pass(), registry_generation())
     body = _jitted_body(jaxpr, name, inline, keep_unused, signature, *context)
-    return body(*dynamic)
+    return [out.value if isinstance(out, _BakedScale) else out for out in body(*dynamic)]
 
 
 @register_scaled_op(custom_jvp_call_p, unpromoted_inputs=True)

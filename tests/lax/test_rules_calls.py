@@ -122,6 +122,31 @@ def test_jit_body_bakes_constant_scales():
     np.testing.assert_allclose(np.asarray(fn(jnp.ones(3)).to_array()), np.full(3, 8.0))
 
 
+def test_a_constant_scale_leaves_a_jitted_call_as_a_constant():
+    """A result whose scale is known inside the jitted body keeps it known after the call: the
+    scale arithmetic that follows folds in Python (``jnp.take`` and ``jnp.where`` are jitted
+    calls in every model) and the call returns its data alone."""
+    inner = jax.jit(lambda v: v * 2.0)
+    static = jsa.RescalePolicy.static()
+
+    def fn(data):  # the scale is a trace-time constant of the traced function
+        return jsa.scalify(lambda v: inner(v) + v, policy=static)(jsa.ScaledArray(data, np.float32(4.0)))
+
+    jaxpr = jax.make_jaxpr(fn)(jnp.ones(3)).jaxpr
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "jit"]
+    assert len(eqn.outvars) == 1  # the data alone
+    assert all(np.ndim(v.aval) > 0 for e in jaxpr.eqns for v in e.outvars)  # no scalar scale arithmetic
+    np.testing.assert_allclose(np.asarray(fn(jnp.ones(3)).to_array()), np.full(3, 12.0))
+
+
+def test_a_baked_scale_keeps_the_facts_of_its_value():
+    value = jsa.ScaledArray(jnp.ones(3), np.float32(2.0)).marked(sparse=True, rescaled=True)
+    leaves, treedef = jax.tree_util.tree_flatten(rules_calls._BakedScale(value))
+    assert len(leaves) == 1  # the data; the scale is in the treedef
+    back = jax.tree_util.tree_unflatten(treedef, leaves).value
+    assert back.facts == value.facts and isinstance(back.scale, np.ndarray) and back.scale == 2.0
+
+
 def test_closed_call_is_emitted_by_the_case():
     assert "closed_call" in str(
         jax.make_jaxpr(jax.grad(lambda x: jnp.sum(_remat_scan(x))))(np.ones((4, 3), np.float32))

@@ -382,3 +382,18 @@ def test_a_square_of_small_float16_data_is_lifted_out_of_the_subnormals():
     for g, e in zip(got, expected):
         assert np.all(np.isfinite(np.asarray(g)))
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=0.03, atol=0.01)
+
+
+def test_the_square_root_of_a_constant_is_folded_at_trace_time():
+    """``q / jnp.sqrt(head_dim)`` (every attention layer): the root is a trace-time constant, so the
+    division moves into the scale in Python instead of emitting run-time scale arithmetic."""
+    values = np.linspace(-3.0, 3.0, 8, dtype=np.float32)
+
+    def fn(data):  # the scale is a trace-time constant of the traced function
+        scaled = jsa.ScaledArray(data, np.float32(4.0))
+        return jsa.scalify(lambda v: v / jnp.sqrt(jnp.float32(8.0)), policy=STATIC_POLICY)(scaled)
+
+    jaxpr = jax.make_jaxpr(fn)(jnp.asarray(values / 4)).jaxpr
+    assert [e.primitive.name for e in jaxpr.eqns] == ["div"]  # the data by sqrt(2); 2 moved into the scale
+    plain = jax.jit(lambda v: v / jnp.sqrt(jnp.float32(8.0)))(values)  # XLA multiplies by the reciprocal
+    np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(values / 4)).to_array()), np.asarray(plain))
