@@ -21,7 +21,12 @@ all in one process, on the same initial parameters and batch of integer tokens:
 - ``scalify_fp16_static``: the same under ``jsa.RescalePolicy.static()``;
 - ``scalify_fp8``: the FP16 recipe with every ``nn.Dense`` taking ``jsa.nn.cast_dot_general``
   (E4M3 forward, E5M2 gradients), the repository's FP8 recipe. Its ``statistics`` include
-  those of the rescales the default policy places before each cast into FP8.
+  those of the rescales the default policy places before each cast into FP8;
+- ``scalify_fp16_floor`` (only when named in ``--variants``): ``scalify_fp16_static`` with
+  every scale of the state a trace-time constant (the step closes over the scales and takes
+  the data): the scale arithmetic that depends on the state's scales folds in Python. A
+  diagnostic of what cheaper scale arithmetic could reach at best, not a step that trains
+  (its scales never change).
 
 Columns (counts are exact; times and ratios compare only within one run):
 
@@ -100,6 +105,7 @@ class Variant:
     baseline: str
     static: bool = False
     fp8: bool = False
+    constant_scales: bool = False
 
 
 VARIANTS = {
@@ -109,7 +115,9 @@ VARIANTS = {
     "scalify_fp16": Variant(jnp.float16, True, "plain_fp16"),
     "scalify_fp16_static": Variant(jnp.float16, True, "plain_fp16", static=True),
     "scalify_fp8": Variant(jnp.float16, True, "plain_fp16", fp8=True),
+    "scalify_fp16_floor": Variant(jnp.float16, True, "plain_fp16", static=True, constant_scales=True),
 }
+DEFAULT_VARIANTS = [name for name, variant in VARIANTS.items() if not variant.constant_scales]
 
 
 def model(shape: Shape, layers: int, fp8: bool = False) -> gpt_linen.GPT:
@@ -138,10 +146,26 @@ def build(name: str, shape: Shape, layers: int, params: Any) -> tuple[Callable, 
         state = recipe.scale_state(state, variant.dtype)
         policy = {"policy": jsa.RescalePolicy.static()} if variant.static else {}  # else: what users get
         step = jsa.scalify(gpt_linen.train_step, **policy)
+        if variant.constant_scales:
+            return _with_constant_scales(step, state, shape)
     else:
         state = jax.tree.map(lambda x: x.astype(variant.dtype) if recipe.is_floating_array(x) else x, state)
         step = gpt_linen.train_step
     return step, (state, *batch(shape))
+
+
+def _with_constant_scales(step: Callable, state: Any, shape: Shape) -> tuple[Callable, tuple]:
+    """``step`` closed over the scales of ``state`` as NumPy constants; it takes the state's data."""
+    is_scaled = lambda x: isinstance(x, jsa.ScaledArray)  # noqa: E731
+    leaves, treedef = jax.tree_util.tree_flatten(state, is_leaf=is_scaled)
+    scales = [np.asarray(x.scale) if is_scaled(x) else None for x in leaves]
+
+    def constant_scaled_step(datas, tokens, targets):
+        fixed = [d if s is None else jsa.ScaledArray(d, s) for d, s in zip(datas, scales)]
+        return step(jax.tree_util.tree_unflatten(treedef, fixed), tokens, targets)
+
+    datas = [x.data if is_scaled(x) else x for x in leaves]
+    return constant_scaled_step, (datas, *batch(shape))
 
 
 def jaxpr_counts(jaxpr: Any) -> dict[str, int]:
@@ -273,7 +297,7 @@ def table(rows: list[dict], runtime: bool, h100: bool) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 12], help="model depths (default: 2 12)")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     parser.add_argument("--quick", action="store_true", help="2 runtime rounds instead of 5")
     parser.add_argument("--rounds", type=int, help="interleaved runtime rounds (overrides --quick)")
     parser.add_argument("--no-runtime", action="store_true", help="counts and compile times only")

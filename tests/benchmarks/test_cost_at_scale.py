@@ -52,3 +52,16 @@ def test_deviceless_columns_or_reason(capsys):
     else:
         assert {"H100 kernels", "H100 GEMMs", "H100 FP8 GEMMs", "H100 compile s"} <= set(header)
         assert rows[0]["h100_kernels"] > 0 and rows[0]["h100_gemms"] == 3
+
+
+def test_the_floor_variant_folds_the_scale_arithmetic_of_the_state():
+    """Opt-in: the static step with the state's scales as trace-time constants has fewer equations
+    and takes the state's data only."""
+    assert "scalify_fp16_floor" not in cost_at_scale.DEFAULT_VARIANTS
+    argv = TINY + ["--variants", "scalify_fp16_static", "scalify_fp16_floor", "--no-runtime"]
+    static, floor = cost_at_scale.main(argv)
+    assert floor["eqns"] < static["eqns"] and floor["gemms"] == static["gemms"] == 3
+    step, (datas, *_) = cost_at_scale.build(
+        "scalify_fp16_floor", cost_at_scale.TINY, 0, cost_at_scale.init_params(cost_at_scale.TINY, 0)
+    )
+    assert not any(isinstance(x, cost_at_scale.jsa.ScaledArray) for x in datas)
