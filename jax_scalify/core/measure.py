@@ -119,10 +119,9 @@ def _statistic_terms(data: Array, kind: str) -> tuple[Array, Callable]:
     """The terms whose reduction gives the statistic ``kind`` of ``data``, and their combiner."""
     if kind == "zero_fraction":
         return (data == 0).astype(np.float32), jax.lax.add
-    magnitudes = jnp.abs(data.astype(np.float32))
     if kind == "max":
-        return magnitudes, jax.lax.max
-    return _clamped_terms(magnitudes, "l2"), jax.lax.add
+        return jnp.abs(data.astype(np.float32)), jax.lax.max
+    return _clamped_terms(data.astype(np.float32), "l2"), jax.lax.add
 
 
 @functools.cache
@@ -404,17 +403,22 @@ def _rescale_whole(x: ScaledArray, norm: Norm) -> ScaledArray:
 _TERM_FLOOR, _TERM_CEILING = 2.0**-120, 2.0**100
 
 
-def _clamped_terms(magnitudes: Array, norm: str) -> Array:
-    """The terms of :func:`_one_pass_statistic` (squares for ``"l2"``, magnitudes for ``"l1"``), clamped."""
-    terms = jnp.square(magnitudes) if norm == "l2" else magnitudes
-    floor = jnp.where(magnitudes > 0, np.float32(_TERM_FLOOR), np.float32(0))
+def _clamped_terms(data: Array, norm: str) -> Array:
+    """The terms of :func:`_one_pass_statistic` of float32 ``data`` (squares for ``"l2"``, magnitudes for ``"l1"``), clamped.
+
+    Computed from ``data`` itself, a square needing no absolute value: a reduction of these
+    terms beside the largest magnitude of the same data (:func:`batched_statistics`) shares
+    no intermediate array with it, which XLA:CPU would otherwise write out and read back.
+    """
+    terms = jnp.square(data) if norm == "l2" else jnp.abs(data)
+    floor = jnp.where(data != 0, np.float32(_TERM_FLOOR), np.float32(0))
     clamped = jnp.minimum(jnp.maximum(terms, floor), np.float32(_TERM_CEILING))
-    return jnp.where(jnp.isfinite(magnitudes), clamped, magnitudes)  # inf and nan data keep their scale
+    return jnp.where(jnp.isfinite(data), clamped, terms)  # inf and nan data keep their scale
 
 
 def _one_pass_mean(data: Array, norm: str) -> Array:
     """The mean of the clamped terms of :func:`_one_pass_statistic` (squares for ``"l2"``, magnitudes for ``"l1"``)."""
-    return jnp.sum(_clamped_terms(jnp.abs(data), norm)) * np.float32(1 / max(data.size, 1))
+    return jnp.sum(_clamped_terms(data, norm)) * np.float32(1 / max(data.size, 1))
 
 
 def _one_pass_statistic(data: Array, norm: str) -> Array:
