@@ -430,6 +430,27 @@ def out_of_range(value: Any) -> bool:
     return 0 < magnitude < np.inf and not float(info.smallest_normal) <= magnitude <= float(info.max)
 
 
+def exact_scalar(op: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``scalar_fn`` for :func:`fold` computing ``op`` of floating constants in float64.
+
+    The result keeps at least float32's range: a constant such as the ``1 / N`` of a mean's
+    gradient times a loss weight stays known exactly even where the data dtype could not
+    hold it, and is split into a power-of-two scale where it meets scaled data. ``op`` must
+    round correctly once its float64 result is rounded to float32 (IEEE arithmetic and
+    ``sqrt`` do), so that the folded value is the one XLA computes.
+    """
+
+    def scalar_fn(*scalars, **params):
+        scalars = [np.asarray(x) for x in scalars]
+        if not all(_is_float(x.dtype) for x in scalars):
+            return None
+        with np.errstate(all="ignore"):
+            exact = op(*(x.astype(np.float64) for x in scalars))
+            return exact.astype(np.result_type(*(x.dtype for x in scalars), np.float32))
+
+    return scalar_fn
+
+
 def fold(eqn: JaxprEqn, scalar_fn: Callable[..., Any] | None, invals: Sequence[Any]) -> list | None:
     """The output of a plain equation on known operands, computed at trace time; None if it is not one.
 

@@ -30,6 +30,7 @@ from jax.extend.core import primitives as P
 
 from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import Pow2RoundMode, get_scalify_config
+from ..core.constants import exact_scalar
 from ..core.measure import lowered_to_largest_entry
 from ..core.pow2 import computed_once, pow2_round_positive_or_one
 from ..core.registry import Site, register_scaled_lax_op, register_scaled_op
@@ -283,31 +284,13 @@ def _bound_rescaled(x: ScaledArray, scale: Array, bound: int) -> ScaledArray:
 
 
 # --- sums ------------------------------------------------------------------------------------
-def _exact_scalar(op):
-    """A scalar function computing ``op`` of two floating constants in float64.
-
-    The result keeps at least float32's range: a constant such as the ``1 / N`` of a mean's
-    gradient times a loss weight stays known exactly even where the data dtype could not
-    hold it, and is split into a power-of-two scale where it meets scaled data.
-    """
-
-    def scalar_fn(a, b, **params):
-        a, b = np.asarray(a), np.asarray(b)
-        if not (is_floating_dtype(a.dtype) and is_floating_dtype(b.dtype)):
-            return None
-        with np.errstate(all="ignore"):
-            return op(a.astype(np.float64), b.astype(np.float64)).astype(np.result_type(a.dtype, b.dtype, np.float32))
-
-    return scalar_fn
-
-
-@register_scaled_lax_op(scalar_preserving=_exact_scalar(np.add))
+@register_scaled_lax_op(scalar_preserving=exact_scalar(np.add))
 def scaled_add(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Scale pow2(sqrt(sa^2 + sb^2)), both data rebalanced to it; an any-scale operand takes the other's scale."""
     return _scaled_sum(P.add_p, a, b, params)
 
 
-@register_scaled_lax_op(scalar_preserving=_exact_scalar(np.subtract))
+@register_scaled_lax_op(scalar_preserving=exact_scalar(np.subtract))
 def scaled_sub(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Scale pow2(sqrt(sa^2 + sb^2)), both data rebalanced to it; an any-scale operand takes the other's scale."""
     return _scaled_sum(P.sub_p, a, b, params)
@@ -323,7 +306,7 @@ def scaled_add_any(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
 
 
 # --- products --------------------------------------------------------------------------------
-@register_scaled_lax_op(scalar_preserving=_exact_scalar(np.multiply), site=Site.PRODUCT)
+@register_scaled_lax_op(scalar_preserving=exact_scalar(np.multiply), site=Site.PRODUCT)
 def scaled_mul(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Scale sa * sb, data da * db (a scale past the float32 range moves its excess into the data).
 
@@ -346,7 +329,7 @@ def scaled_mul(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     return rescale_self_product(scaled_product(_bind(P.mul_p, a, b, **params), a.scale, b.scale), a, b)
 
 
-@register_scaled_lax_op(scalar_preserving=_exact_scalar(np.divide))
+@register_scaled_lax_op(scalar_preserving=exact_scalar(np.divide))
 def scaled_div(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Scale sa / sb, data da / db (a scale past the float32 range moves its excess into the data)."""
     return scaled_product(_bind(P.div_p, a, b, **params), a.scale, b.scale, divide=True)
@@ -388,7 +371,7 @@ def scaled_nextafter(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
 
 
 # --- selections and comparisons --------------------------------------------------------------
-@register_scaled_lax_op(scalar_preserving=_exact_scalar(np.maximum))
+@register_scaled_lax_op(scalar_preserving=exact_scalar(np.maximum))
 def scaled_max(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Operands aligned to the largest scale (any-scale operands adopt it); max of the data.
 
@@ -397,7 +380,7 @@ def scaled_max(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     return _scaled_aligned(P.max_p, [a, b], params, bounds=(1, 1))
 
 
-@register_scaled_lax_op(scalar_preserving=_exact_scalar(np.minimum))
+@register_scaled_lax_op(scalar_preserving=exact_scalar(np.minimum))
 def scaled_min(a: ScaledArray, b: ScaledArray, **params) -> ScaledArray:
     """Operands aligned to the largest scale (any-scale operands adopt it); min of the data.
 

@@ -28,8 +28,8 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.extend.core import primitives as P
 
-from ..core.array import ScaledArray, is_floating_dtype
-from ..core.constants import known_scalar
+from ..core.array import ScaledArray
+from ..core.constants import exact_scalar, known_scalar
 from ..core.measure import narrowed_within_range
 from ..core.pow2 import exp2_int, pow2_exponent
 from ..core.registry import register_scaled_lax_op, register_scaled_op
@@ -211,16 +211,7 @@ def _fractional_power_of_scale(scale: Array, y: float) -> tuple[Array, Array]:
     return factor, as_scale(exp2_int(q.astype(jnp.int32), jnp.float32, jnp))
 
 
-def _sqrt_scalar(scalar, **params):
-    """``sqrt`` of a floating constant: IEEE's correctly rounded square root, as XLA computes it."""
-    scalar = np.asarray(scalar)
-    if not is_floating_dtype(scalar.dtype):
-        return None
-    with np.errstate(all="ignore"):
-        return np.sqrt(scalar.astype(np.float64)).astype(np.result_type(scalar.dtype, np.float32))
-
-
-@register_scaled_lax_op(scalar_preserving=_sqrt_scalar)
+@register_scaled_lax_op(scalar_preserving=exact_scalar(np.sqrt))
 def scaled_sqrt(x: ScaledArray, **params) -> ScaledArray:
     """Scale sqrt(s) exactly (an odd exponent moves a factor 2 into the data), data sqrt(d)."""
     return exact_root(x, 2, lambda d: P.sqrt_p.bind(d, **params), inverse=False)
