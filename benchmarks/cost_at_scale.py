@@ -2,7 +2,8 @@
 
 Run from the repository root: ``python -m benchmarks.cost_at_scale`` (2 and 12 layers, every
 variant; ``--quick`` for fewer runtime rounds, ``--no-runtime`` for the counts and compile
-times only, ``--deviceless`` for the H100 columns, ``--json PATH``; ``--tiny`` for a toy size).
+times only, ``--deviceless`` for the H100 columns, ``--split`` for the model's and the
+update's shares of the compile time, ``--json PATH``; ``--tiny`` for a toy size).
 
 The model is the Linen GPT of :mod:`tests.programs.gpt_linen` (``nn.Dense`` layers, layers
 unrolled in Python, embeddings tied through ``nn.Embed.attend``, AdamW with a warmup-cosine
@@ -43,6 +44,12 @@ Columns (counts are exact; times and ratios compare only within one run):
 - ``trace``, ``lower``, ``compile``: CPU seconds of each stage (cold caches, one compile);
   ``x base``: their sum against the baseline's (the baseline of ``plain_fp16`` is ``plain_fp32``);
 - ``ms/step``, ``x base``: median runtime of a step over interleaved rounds, and its ratio;
+- ``grads s``, ``x base``, ``update s``, ``x base`` (``--split``): the CPU seconds of trace,
+  lowering and compilation of the variant's *gradient step* (the loss and the parameters'
+  gradients, ``gpt_linen.loss_and_grads``, under the same ``jax.jit`` and ``jsa.scalify``:
+  the model's part), the rest of the full step's (``compile_total_cpu_s`` minus it: the
+  optimizer's update and ``apply_gradients``), each against the same split of the baseline
+  (measured only when the baseline is a selected variant);
 - ``H100 kernels``, ``H100 GEMMs``, ``H100 FP8 GEMMs``, ``H100 compile s`` (``--deviceless``):
   fusions and custom calls of the entry computation, cuBLAS/Triton GEMMs (all, and those
   reading FP8 operands) of the step compiled for an H100 without a device, XLA's defaults (no
@@ -135,9 +142,13 @@ def batch(shape: Shape, seed: int = 0) -> tuple[jax.Array, jax.Array]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def build(name: str, shape: Shape, layers: int, params: Any) -> tuple[Callable, tuple]:
-    """The variant's step before ``jax.jit`` and its arguments ``(state, tokens, targets)``."""
+def build(name: str, shape: Shape, layers: int, params: Any, gradients: bool = False) -> tuple[Callable, tuple]:
+    """The variant's step before ``jax.jit`` and its arguments ``(state, tokens, targets)``.
+
+    ``gradients``: the gradient step instead (loss and gradients, no update).
+    """
     variant = VARIANTS[name]
+    fn = gpt_linen.loss_and_grads if gradients else gpt_linen.train_step
     tx = gpt_linen.make_optimizer()
     if variant.scalify and variant.dtype != jnp.float32:
         tx = recipe.optimizer(tx, variant.dtype)
@@ -145,12 +156,12 @@ def build(name: str, shape: Shape, layers: int, params: Any) -> tuple[Callable, 
     if variant.scalify:
         state = recipe.scale_state(state, variant.dtype)
         policy = {"policy": jsa.RescalePolicy.static()} if variant.static else {}  # else: what users get
-        step = jsa.scalify(gpt_linen.train_step, **policy)
+        step = jsa.scalify(fn, **policy)
         if variant.constant_scales:
             return _with_constant_scales(step, state, shape)
     else:
         state = jax.tree.map(lambda x: x.astype(variant.dtype) if recipe.is_floating_array(x) else x, state)
-        step = gpt_linen.train_step
+        step = fn
     return step, (state, *batch(shape))
 
 
@@ -224,6 +235,7 @@ def run(
     rounds: int,
     sharding: Any = None,
     log: Callable[[str], None] = print,
+    split: bool = False,
 ) -> list[dict]:
     """One row per variant of the ``layers``-layer model (see the module docstring for the fields)."""
     params = init_params(shape, layers)
@@ -235,6 +247,8 @@ def run(
         rows[name]["layers"] = layers
         if sharding is not None:
             rows[name].update(deviceless(step, args, sharding))
+        if split:
+            rows[name].update(_split(name, shape, layers, params, rows[name]))
         log(f"  {name}: compiled")
     for base in {VARIANTS[name].baseline for name in names} - set(names):  # counts only: trace the baseline
         step, args = build(base, shape, layers, params)
@@ -243,8 +257,9 @@ def run(
         row, base = rows[name], VARIANTS[name].baseline
         row["baseline"] = base
         row["statistics"] = row["reductions"] - rows[base]["reductions"] if VARIANTS[name].scalify else None
-        total = rows[base].get("compile_total_cpu_s")
-        row["compile_ratio"] = row["compile_total_cpu_s"] / total if total else None
+        for key in ("compile", "grads_compile", "update_compile") if split else ("compile",):
+            total = rows[base].get(f"{key}_total_cpu_s")
+            row[f"{key}_ratio"] = row[f"{key}_total_cpu_s"] / total if total else None
     if rounds:
         thunks = {name: (lambda f=executables[name], a=built[name][1]: f(*a)) for name in names}
         medians = interleaved_medians(thunks, rounds)
@@ -253,6 +268,17 @@ def run(
             base = rows[name]["baseline"]
             rows[name]["step_ratio"] = medians[name] / medians[base] if base in medians else None
     return [rows[name] for name in names]
+
+
+def _split(name: str, shape: Shape, layers: int, params: Any, row: dict) -> dict:
+    """The gradient step's compile CPU time and counts, and the rest of the full step's (the update)."""
+    grads, _ = measure(name, *build(name, shape, layers, params, gradients=True))
+    return {
+        "grads_eqns": grads["eqns"],
+        "grads_fusions": grads["fusions"],
+        "grads_compile_total_cpu_s": grads["compile_total_cpu_s"],
+        "update_compile_total_cpu_s": row["compile_total_cpu_s"] - grads["compile_total_cpu_s"],
+    }
 
 
 COLUMNS = (
@@ -269,6 +295,10 @@ COLUMNS = (
     ("lower s", "lower_cpu_s", ".2f"),
     ("compile s", "compile_cpu_s", ".2f"),
     ("x base", "compile_ratio", ".2f"),
+    ("grads s", "grads_compile_total_cpu_s", ".2f"),
+    ("x base", "grads_compile_ratio", ".2f"),
+    ("update s", "update_compile_total_cpu_s", ".2f"),
+    ("x base", "update_compile_ratio", ".2f"),
     ("ms/step", "step_ms", ".1f"),
     ("x base", "step_ratio", ".2f"),
     ("H100 kernels", "h100_kernels", "d"),
@@ -278,9 +308,10 @@ COLUMNS = (
 )
 
 
-def table(rows: list[dict], runtime: bool, h100: bool) -> str:
-    """The rows as a markdown table (runtime and H100 columns only where measured)."""
+def table(rows: list[dict], runtime: bool, h100: bool, split: bool = False) -> str:
+    """The rows as a markdown table (runtime, H100 and split columns only where measured)."""
     skip = set() if runtime else {"step_ms", "step_ratio"}
+    skip |= set() if split else {key for _, key, _ in COLUMNS if key.startswith(("grads", "update"))}
     skip |= set() if h100 else {key for _, key, _ in COLUMNS if key.startswith("h100")}
     columns = [c for c in COLUMNS if c[1] not in skip]
 
@@ -302,6 +333,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="interleaved runtime rounds (overrides --quick)")
     parser.add_argument("--no-runtime", action="store_true", help="counts and compile times only")
     parser.add_argument("--deviceless", action="store_true", help="also compile each step for an H100 (no GPU)")
+    parser.add_argument("--split", action="store_true", help="also compile the gradient step alone (model vs update)")
     parser.add_argument("--tiny", action="store_true", help=f"a tiny model: {TINY}")
     for field in dataclasses.fields(Shape):
         parser.add_argument(f"--{field.name}", type=int, help=f"override the model's {field.name}")
@@ -326,8 +358,10 @@ def main(argv=None) -> list[dict]:
     print(f"jax {jax.__version__}, {device.platform} ({device.device_kind}), {shape}, runtime rounds {rounds}")
     rows = []
     for layers in args.layers:
-        rows += run(shape, layers, args.variants, rounds, sharding, log=lambda s: print(s, flush=True))
-    print(table(rows, runtime=rounds > 0, h100=sharding is not None))
+        rows += run(
+            shape, layers, args.variants, rounds, sharding, log=lambda s: print(s, flush=True), split=args.split
+        )
+    print(table(rows, runtime=rounds > 0, h100=sharding is not None, split=args.split))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

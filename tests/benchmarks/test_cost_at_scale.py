@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import cost_at_scale
 
 TINY = ["--tiny", "--layers", "0"]
@@ -24,7 +26,7 @@ def test_table_and_json(tmp_path, capsys):
     argv = TINY + ["--variants", "plain_fp32", "scalify_fp16", "--rounds", "1", "--json", str(path)]
     rows = cost_at_scale.main(argv)
     header, cells = _header_and_rows(capsys.readouterr().out)
-    expected = [name for name, key, _ in cost_at_scale.COLUMNS if not key.startswith("h100")]
+    expected = [name for name, key, _ in cost_at_scale.COLUMNS if not key.startswith(("h100", "grads", "update"))]
     assert header == expected
     assert [r[1] for r in cells] == ["plain_fp32", "scalify_fp16"]
     assert json.loads(path.read_text())["rows"] == rows
@@ -65,3 +67,19 @@ def test_the_floor_variant_folds_the_scale_arithmetic_of_the_state():
         "scalify_fp16_floor", cost_at_scale.TINY, 0, cost_at_scale.init_params(cost_at_scale.TINY, 0)
     )
     assert not any(isinstance(x, cost_at_scale.jsa.ScaledArray) for x in datas)
+
+
+def test_split_into_the_gradient_step_and_the_update(capsys):
+    """``--split``: the gradient step compiled alone; the update's share is the rest of the full step's."""
+    argv = TINY + ["--variants", "plain_fp16", "scalify_fp16", "--no-runtime", "--split"]
+    plain, scaled = cost_at_scale.main(argv)
+    header, _ = _header_and_rows(capsys.readouterr().out)
+    assert {"grads s", "update s"} <= set(header)
+    for row in (plain, scaled):
+        assert 0 < row["grads_eqns"] < row["eqns"] and 0 < row["grads_fusions"] < row["fusions"]
+        total = row["grads_compile_total_cpu_s"] + row["update_compile_total_cpu_s"]
+        assert total == pytest.approx(row["compile_total_cpu_s"])
+    assert plain["grads_compile_ratio"] is None  # its baseline, plain_fp32, was not selected
+    assert scaled["grads_compile_ratio"] > 0 and scaled["update_compile_ratio"] is not None
+    step, _ = cost_at_scale.build("plain_fp16", cost_at_scale.TINY, 0, cost_at_scale.init_params(cost_at_scale.TINY, 0))
+    assert step is cost_at_scale.gpt_linen.train_step

@@ -87,12 +87,16 @@ def init(seed, tx, fp8=False):
     return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
 
-def train_step(state, tokens, targets):
+def loss_and_grads(state, tokens, targets):
     def loss_fn(params):
         logits = state.apply_fn({"params": params}, tokens)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return jax.value_and_grad(loss_fn)(state.params)
+
+
+def train_step(state, tokens, targets):
+    loss, grads = loss_and_grads(state, tokens, targets)
     return loss, state.apply_gradients(grads=grads)
 
 
