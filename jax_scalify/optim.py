@@ -33,6 +33,7 @@ Example (scaled FP16 weights, gradients and Adam moments)::
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -46,7 +47,7 @@ from .core.array import ScaledArray, asarray, is_concrete, is_floating_dtype, is
 from .core.custom_scale import custom_scale
 from .core.interpreter import is_tracing_user_code, scalify
 from .core.measure import Norm, narrowed_for_storage
-from .core.pow2 import pow2_twice_reciprocal
+from .core.pow2 import binary, pow2_twice_reciprocal
 from .core.scaling import select
 from .core.sites import mark_rescaled
 from .lax.primitives import rebalance, set_scaling, stop_scaling
@@ -431,23 +432,25 @@ def _carry_rule(
     scale 0 (asserted zero) takes the grid of the update's scale, as the sum in
     ``apply_updates`` will.
     """
-    f32 = lambda x: jax.lax.convert_element_type(x, WORK_DTYPE)  # noqa: E731
+    lax = jax.lax
+    f32 = lambda x: lax.convert_element_type(x, WORK_DTYPE)  # noqa: E731
+    add, sub, mul = (functools.partial(binary, op) for op in (lax.add, lax.sub, lax.mul))
     one = np.float32(1)
-    update_scale = select(f32(update.scale) > 0, f32(update.scale), one)
-    has_grid = f32(param.scale) > 0
+    update_scale = select(binary(lax.gt, f32(update.scale), 0.0), f32(update.scale), one)
+    has_grid = binary(lax.gt, f32(param.scale), 0.0)
     grid = select(has_grid, f32(param.scale), update_scale)
-    unit = grid * np.float32(jnp.finfo(param.dtype).eps)  # an ulp of parameter data in [1, 2)
-    applied_scale = jax.lax.max(update_scale, unit)
-    total = f32(update.data) * f32(update.scale) + f32(residual.data) * f32(residual.scale)
-    param_units = f32(param.data) * select(has_grid, one, np.float32(0))  # scale 0: the value is 0
-    target_units = (param_units + _over(total, grid)).astype(param.dtype)
-    applied_units = f32(target_units) - param_units
-    applied = (applied_units * _over(grid, applied_scale)).astype(update.dtype)
-    left = total - f32(applied) * applied_scale
+    unit = mul(grid, float(jnp.finfo(param.dtype).eps))  # an ulp of parameter data in [1, 2)
+    applied_scale = lax.max(update_scale, unit)
+    total = add(mul(f32(update.data), f32(update.scale)), mul(f32(residual.data), f32(residual.scale)))
+    param_units = mul(f32(param.data), select(has_grid, one, np.float32(0)))  # scale 0: the value is 0
+    target_units = lax.convert_element_type(add(param_units, _over(total, grid)), param.dtype)
+    applied_units = sub(f32(target_units), param_units)
+    applied = lax.convert_element_type(mul(applied_units, _over(grid, applied_scale)), update.dtype)
+    left = sub(total, mul(f32(applied), applied_scale))
     if np.ndim(left) == 0:
-        return ScaledArray(applied, applied_scale), left.astype(residual_dtype)
-    residual_scale = jax.lax.clamp(jnp.finfo(WORK_DTYPE).tiny, unit * np.float32(0.5), jnp.finfo(WORK_DTYPE).max)
-    residual = ScaledArray(_over(left, residual_scale).astype(residual_dtype), residual_scale)
+        return ScaledArray(applied, applied_scale), lax.convert_element_type(left, residual_dtype)
+    residual_scale = lax.clamp(jnp.finfo(WORK_DTYPE).tiny, mul(unit, 0.5), jnp.finfo(WORK_DTYPE).max)
+    residual = ScaledArray(lax.convert_element_type(_over(left, residual_scale), residual_dtype), residual_scale)
     return ScaledArray(applied, applied_scale), mark_rescaled(residual)  # its bound is its scale
 
 
@@ -457,7 +460,7 @@ def _over(x: jax.Array, scale: jax.Array) -> jax.Array:
     Exact (``2 / scale`` is normal for every normal scale), and no scalar division: XLA
     compiles one as a kernel of its own.
     """
-    return x * pow2_twice_reciprocal(scale) * np.float32(0.5)
+    return binary(jax.lax.mul, binary(jax.lax.mul, x, pow2_twice_reciprocal(scale)), 0.5)
 
 
 def _compensated_leaf(update: Any, residual: Any, param: Any, dtype: np.dtype) -> tuple[Any, Any]:

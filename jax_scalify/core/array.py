@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import Pow2RoundMode, get_scalify_config
-from .pow2 import map_scalars, pow2_exponent, pow2_round_up
+from .pow2 import binary, map_scalars, pow2_exponent, pow2_round_up
 
 Array = Any
 DTypeLike = Any
@@ -371,9 +371,10 @@ class ScaledArray:
         """
         work = self.value_dtype
         dtype = work if dtype is None else dtype
-        npapi = np if isinstance(self.data, np.ndarray) and isinstance(self.scale, (np.ndarray, np.generic)) else jnp
-        value = npapi.asarray(self.data).astype(work) * npapi.asarray(self.scale).astype(work)
-        return value.astype(dtype)
+        if isinstance(self.data, np.ndarray) and isinstance(self.scale, (np.ndarray, np.generic)):
+            return (self.data.astype(work) * np.asarray(self.scale).astype(work)).astype(dtype)
+        convert = jax.lax.convert_element_type
+        return convert(binary(jax.lax.mul, convert(self.data, work), convert(self.scale, work)), dtype)
 
     def astype(self, dtype: DTypeLike) -> ScaledArray:
         """Cast the data to ``dtype``; the scale is kept, so the value is unchanged up to rounding."""

@@ -27,7 +27,7 @@ import numpy as np
 
 from .array import ScaledArray, is_floating_dtype, narrow_range
 from .config import Pow2RoundMode, get_scalify_config
-from .pow2 import map_scalars, pow2_round, pow2_round_down, pow2_round_up
+from .pow2 import binary, is_numpy, map_scalars, numpy_api, pow2_round, pow2_round_down, pow2_round_up
 
 Array = Any
 NormFn = Callable[[Array], Array]
@@ -93,12 +93,33 @@ def mul_data(data: Array, factor: Array) -> Array:
     """
     if isinstance(factor, (np.ndarray, np.generic)) and np.all(factor == 1):
         return data
+    if is_numpy(data):
+        return _mul_data_numpy(data, factor)
     if is_wide_dtype(data.dtype):
-        return data * jnp.asarray(factor).astype(data.dtype)
+        return binary(jax.lax.mul, data, _in_dtype(factor, data.dtype))
+    native = _native_16bit_factor(data, factor)
+    if native is not None:
+        return binary(jax.lax.mul, data, native)
+    wide = binary(jax.lax.mul, jax.lax.convert_element_type(data, np.float32), _in_dtype(factor, np.float32))
+    return jax.lax.convert_element_type(wide, data.dtype)
+
+
+def _in_dtype(x: Array, dtype: Any) -> Array:
+    """``x`` in ``dtype`` (NumPy stays NumPy; a traced value gets one conversion, none if it has ``dtype``)."""
+    if is_numpy(x):
+        return np.asarray(x, dtype)
+    return x if x.dtype == dtype else jax.lax.convert_element_type(x, dtype)
+
+
+def _mul_data_numpy(data: np.ndarray, factor: Array) -> Array:
+    """:func:`mul_data` of trace-time data (a traced ``factor`` makes the product traced)."""
+    if is_wide_dtype(data.dtype):
+        return data * numpy_api(factor).asarray(factor).astype(data.dtype)
     native = _native_16bit_factor(data, factor)
     if native is not None:
         return data * native
-    return (data.astype(jnp.float32) * jnp.asarray(factor).astype(jnp.float32)).astype(data.dtype)
+    wide = data.astype(np.float32) * numpy_api(factor).asarray(factor).astype(np.float32)
+    return wide.astype(data.dtype)
 
 
 def saturated_cast(wide: Array, dtype: Any) -> Array:
@@ -117,11 +138,18 @@ VARIADIC_SUM_LIMIT = 4096
 
 def _statistic_terms(data: Array, kind: str) -> tuple[Array, Callable]:
     """The terms whose reduction gives the statistic ``kind`` of ``data``, and their combiner."""
+    lax = jax.lax
     if kind == "zero_fraction":
-        return (data == 0).astype(np.float32), jax.lax.add
+        return lax.convert_element_type(lax.eq(data, _zero_like(data)), np.float32), lax.add
+    wide = lax.convert_element_type(data, np.float32)
     if kind == "max":
-        return jnp.abs(data.astype(np.float32)), jax.lax.max
-    return _clamped_terms(data.astype(np.float32), "l2"), jax.lax.add
+        return lax.abs(wide), lax.max
+    return _clamped_terms(wide, "l2"), lax.add
+
+
+def _zero_like(data: Array) -> Array:
+    """A scalar 0 of ``data``'s dtype, which ``lax`` comparisons take beside an array."""
+    return np.zeros((), data.dtype)
 
 
 @functools.cache
@@ -151,7 +179,9 @@ def batched_statistics(datas: Sequence[Array], kinds: Sequence[str]) -> list[Arr
     for where in by_shape.values():
         terms, combiners = zip(*(_statistic_terms(datas[i], kinds[i]) for i in where))
         if len(where) == 1:
-            totals = [jnp.max(terms[0]) if combiners[0] is jax.lax.max else jnp.sum(terms[0])]
+            axes = tuple(range(np.ndim(terms[0])))
+            reduce = jax.lax.reduce_max if combiners[0] is jax.lax.max else jax.lax.reduce_sum
+            totals = [reduce(terms[0], axes)]
         else:
             totals = jax.lax.reduce(
                 tuple(terms),
@@ -160,7 +190,9 @@ def batched_statistics(datas: Sequence[Array], kinds: Sequence[str]) -> list[Arr
                 tuple(range(np.ndim(datas[where[0]]))),
             )
         for i, total in zip(where, totals):
-            out[i] = total if kinds[i] == "max" else total * np.float32(1 / max(np.size(datas[i]), 1))
+            out[i] = (
+                total if kinds[i] == "max" else binary(jax.lax.mul, total, np.float32(1 / max(np.size(datas[i]), 1)))
+            )
     return out
 
 
@@ -410,10 +442,11 @@ def _clamped_terms(data: Array, norm: str) -> Array:
     terms beside the largest magnitude of the same data (:func:`batched_statistics`) shares
     no intermediate array with it, which XLA:CPU would otherwise write out and read back.
     """
-    terms = jnp.square(data) if norm == "l2" else jnp.abs(data)
-    floor = jnp.where(data != 0, np.float32(_TERM_FLOOR), np.float32(0))
-    clamped = jnp.minimum(jnp.maximum(terms, floor), np.float32(_TERM_CEILING))
-    return jnp.where(jnp.isfinite(data), clamped, terms)  # inf and nan data keep their scale
+    lax = jax.lax
+    terms = lax.square(data) if norm == "l2" else lax.abs(data)
+    floor = binary(lax.mul, lax.convert_element_type(binary(lax.ne, data, 0.0), data.dtype), _TERM_FLOOR)  # 0 for 0
+    clamped = binary(lax.min, lax.max(terms, floor), _TERM_CEILING)
+    return lax.select(lax.is_finite(data), clamped, terms)  # inf and nan data keep their scale
 
 
 def _one_pass_mean(data: Array, norm: str) -> Array:
@@ -596,8 +629,9 @@ def _exponent_path(stats: Array, scales: Array, mode: Pow2RoundMode) -> bool:
 
 def _biased_exponent(x: Array) -> Array:
     """The exponent field of float32 ``x`` (0 for zero and subnormals, 255 for inf and nan), as int32."""
-    return jax.lax.shift_right_logical(
-        jax.lax.bitcast_convert_type(x, jnp.int32) & _F32_EXPONENT_MASK, _F32_MANTISSA_BITS
+    lax = jax.lax
+    return lax.shift_right_logical(
+        binary(lax.bitwise_and, lax.bitcast_convert_type(x, jnp.int32), _F32_EXPONENT_MASK), _F32_MANTISSA_BITS
     )
 
 
@@ -678,7 +712,7 @@ def _sparse_floor(zero_fraction: Array) -> Array:
     returns: a gradient needs its upward moves, and the gradient of a lookup has its own
     guard (:func:`_relative_peak`). Wide data have none (:func:`_has_sparse_floor`).
     """
-    return jnp.where(zero_fraction > np.float32(0.5), np.float32(1), np.float32(0))
+    return jax.lax.convert_element_type(binary(jax.lax.gt, zero_fraction, 0.5), np.float32)
 
 
 def _at_least(stat: Array, bound: Array) -> Array:
@@ -756,9 +790,9 @@ def rescaled_into_narrow(x: ScaledArray, dtype: Any, norm: Norm, sample_size: in
     mode = get_scalify_config().rounding_mode
     if not (_pow2_rms_applies([x], norm, None, mode, np.float32) and np.size(x.data) > 0):
         return narrowed_within_range(rescale_scaled_arrays([x], norm, sample_size)[0], dtype)
-    data = jax.lax.stop_gradient(x.data).astype(np.float32)
+    data = jax.lax.convert_element_type(jax.lax.stop_gradient(x.data), np.float32)
     mean, largest = batched_statistics([data, data], ["mean_square", "max"])
-    peak = jnp.minimum(largest * np.float32(1 / narrow_limit(dtype)), np.float32(2.0**60))
+    peak = binary(jax.lax.min, binary(jax.lax.mul, largest, float(1 / narrow_limit(dtype))), 2.0**60)
     out = _moved_by(x, _pow2_rms_of_means(mean, mode == Pow2RoundMode.UP, peak))
     return ScaledArray(out.data.astype(dtype), out.scale)
 

@@ -12,6 +12,7 @@ tracers (computed with ``jax.numpy``).
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +29,63 @@ Array = Any
 def is_numpy(x: Any) -> bool:
     """A trace-time constant: a NumPy array or scalar, or a Python number (folded in Python, no equation)."""
     return isinstance(x, (np.ndarray, np.generic, float, int))
+
+
+_OPERATORS = {
+    lax.add: operator.add,
+    lax.sub: operator.sub,
+    lax.mul: operator.mul,
+    lax.div: operator.truediv,
+    lax.lt: operator.lt,
+    lax.le: operator.le,
+    lax.gt: operator.gt,
+    lax.ge: operator.ge,
+    lax.eq: operator.eq,
+    lax.ne: operator.ne,
+    lax.bitwise_and: operator.and_,
+    lax.bitwise_or: operator.or_,
+    lax.max: lambda a, b: numpy_api(a, b).maximum(a, b),
+    lax.min: lambda a, b: numpy_api(a, b).minimum(a, b),
+}
+
+
+def binary(op: Callable[[Array, Array], Array], a: Any, b: Any) -> Array:
+    """``op(a, b)`` for a ``lax`` binary operation: one equation where an operand is traced.
+
+    The operator (``a * b``, ``a < b`` ...) on a traced array goes through ``jax.numpy``,
+    whose nested ``jit`` costs several times the equation to trace; scale arithmetic is
+    made of such operations. ``lax`` takes the operands directly when the traced one fixes
+    the dtype: the other of the same dtype and of the same shape or rank 0, or a Python
+    number (taken in that dtype, as ``jax.numpy`` takes it). Otherwise, and for two
+    trace-time constants (NumPy), the operator with its usual promotion.
+    """
+    operands = _lax_operands(a, b)
+    if operands is None:
+        return _OPERATORS[op](a, b)
+    return op(*operands)
+
+
+def _lax_operands(a: Any, b: Any) -> tuple[Any, Any] | None:
+    """``(a, b)`` ready for a ``lax`` binary operation (Python numbers in the traced dtype), or None."""
+    traced = [x for x in (a, b) if isinstance(x, (jax.Array, jax.core.Tracer))]
+    if not traced:
+        return None
+    dtype, shape = traced[0].dtype, np.shape(traced[0])
+    out = []
+    for x in (a, b):
+        if isinstance(x, bool):
+            return None
+        if isinstance(x, (int, float)):
+            if isinstance(x, float) and not jnp.issubdtype(dtype, jnp.floating):
+                return None
+            converted = np.asarray(x).astype(dtype)
+            if converted.item() != x and x == x:  # rounded or out of range (NaN is kept: it is unequal to itself)
+                return None
+            x = converted
+        elif getattr(x, "dtype", None) != dtype or np.shape(x) not in (shape, ()):
+            return None
+        out.append(x)
+    return out[0], out[1]
 
 
 def numpy_api(*xs: Any) -> Any:

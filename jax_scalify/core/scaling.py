@@ -33,6 +33,7 @@ from .measure import (
     scale_dtype,
 )
 from .pow2 import (
+    binary,
     is_numpy,
     numpy_api,
     pow2_exponent,
@@ -95,9 +96,9 @@ def scale_mul(*scales: Array) -> Array:
         return as_scale(const)
     out = traced[0]
     for s in traced[1:]:
-        out = out * s
+        out = binary(lax.mul, out, s)
     if const is not None and not (np.ndim(const) == 0 and const == 1):
-        out = out * const
+        out = binary(lax.mul, out, const)
     return as_scale(out)
 
 
@@ -253,8 +254,8 @@ def scale_quotient(scale: Array, common: Array) -> Array:
     if (is_numpy(scale) and is_numpy(common)) or not scales_are_pow2():
         return scale / common
     two = np.asarray(2, common.dtype)
-    quotient = scale * (two / common) * np.asarray(0.5, common.dtype)
-    return select(scale == common, np.ones(np.shape(quotient), common.dtype), quotient)
+    quotient = binary(lax.mul, binary(lax.mul, scale, binary(lax.div, two, common)), np.asarray(0.5, common.dtype))
+    return select(binary(lax.eq, scale, common), np.ones(np.shape(quotient), common.dtype), quotient)
 
 
 def zero_to_one(scale: Array) -> Array:
@@ -392,7 +393,7 @@ def largest_finite(a: Array, b: Array) -> Array:
     hi, lo = scale_max(a, b), scale_min(a, b)
     if is_numpy(hi) and is_numpy(lo):
         return np.where(hi < np.inf, hi, lo).astype(hi.dtype)
-    return select(hi < np.inf, hi, lo)
+    return select(binary(lax.lt, hi, np.inf), hi, lo)
 
 
 def known_scale_reach(dtype: Any) -> np.ndarray:

@@ -32,7 +32,7 @@ from ..core.array import ScaledArray, is_floating_dtype
 from ..core.config import Pow2RoundMode, get_scalify_config
 from ..core.constants import exact_scalar
 from ..core.measure import lowered_to_largest_entry
-from ..core.pow2 import computed_once, pow2_round_positive_or_one
+from ..core.pow2 import binary, computed_once, pow2_round_positive_or_one
 from ..core.registry import Site, register_scaled_lax_op, register_scaled_op
 from ..core.scaling import (
     as_scale,
@@ -131,7 +131,8 @@ def _sum_scale(a: ScaledArray, b: ScaledArray) -> Array:
     one = as_scale(1)
     if get_scalify_config().rounding_mode == Pow2RoundMode.DOWN:
         common = largest_finite(sa, sb)
-        return select((common > 0) & (common < np.inf), common, one)
+        usable = binary(lax.bitwise_and, binary(lax.gt, common, 0.0), binary(lax.lt, common, np.inf))
+        return select(usable, common, one)
     hi, lo = scale_max(sa, sb), scale_min(sa, sb)
     # Where hi <= 0 or a scale is nan the result is 1 whatever the ratio (0 * inf and nan
     # propagate to the final guard), so the ratio needs no guard of its own.
@@ -192,8 +193,9 @@ def _backward_sum_in_float32(prim: Primitive, a: ScaledArray, b: ScaledArray, sc
     statistic is exact, and one rescale brings the sum to unit size.
     """
     sa, sb = as_scale(a.scale), as_scale(b.scale)
-    smaller = scale_min(select(sa > 0, sa, sb), select(sb > 0, sb, sa))
-    work_scale = scale_max(smaller, scale * np.float32(2.0**-50))
+    positive = lambda s: binary(lax.gt, s, 0.0)  # noqa: E731
+    smaller = scale_min(select(positive(sa), sa, sb), select(positive(sb), sb, sa))
+    work_scale = scale_max(smaller, binary(lax.mul, scale, np.float32(2.0**-50)))
     wide = [ScaledArray(widen(x.data), x.scale) for x in (a, b)]
     total = ScaledArray(_bind(prim, *(at_scale(x, work_scale).data for x in wide), **params), work_scale)
     return rescaled_into(total, a.dtype)

@@ -24,6 +24,7 @@ from jax_scalify.core import (
     pow2_round_up,
 )
 from jax_scalify.core.pow2 import (
+    binary,
     computed_once,
     map_scalars,
     pow2_round_positive_or_one,
@@ -323,3 +324,36 @@ def test_map_scalars_reads_each_row_apart_on_cpu_and_one_vector_elsewhere():
     traced = jax.jit(apply).trace(*args)
     assert traced.lower(lowering_platforms=("cpu",)).as_text().count("stablehlo.slice") == 0
     assert traced.lower(lowering_platforms=("cuda",)).as_text().count("stablehlo.slice") == 6
+
+
+def _traced_equations(fn, *args) -> list[str]:
+    return [e.primitive.name for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns]
+
+
+@pytest.mark.parametrize(
+    "op, other",
+    [
+        (jax.lax.mul, 0.5),
+        (jax.lax.lt, np.inf),
+        (jax.lax.gt, 0),
+        (jax.lax.mul, np.float32(2.0)),
+        (jax.lax.add, np.ones((3,), np.float32)),
+    ],
+)
+def test_binary_is_one_lax_equation_beside_a_traced_operand(op, other):
+    """No nested ``jit`` (what ``jax.numpy``'s operators trace), and the operator's value."""
+    x = jnp.asarray([0.25, 1.0, 4.0], jnp.float32)
+    assert _traced_equations(lambda x: binary(op, x, other), x) == [op.__name__]
+    np.testing.assert_array_equal(binary(op, x, other), pow2._OPERATORS[op](x, other))
+    np.testing.assert_array_equal(binary(op, other, x), pow2._OPERATORS[op](other, x))
+
+
+def test_binary_keeps_numpy_constants_numpy_and_promotes_like_the_operator_otherwise():
+    assert isinstance(binary(jax.lax.mul, np.float32(3), 0.5), np.floating)  # folds at trace time
+    x16 = jnp.ones((2,), jnp.float16)
+    out = jax.eval_shape(lambda x: binary(jax.lax.mul, x, np.ones((2,), np.float32)), x16)
+    assert out.dtype == jnp.float32  # mixed dtypes: jax.numpy's promotion, as ``x * y``
+    ints = jnp.ones((2,), jnp.int32)
+    assert jax.eval_shape(lambda i: binary(jax.lax.bitwise_and, i, 0x7F800000), ints).dtype == jnp.int32
+    assert pow2._lax_operands(ints, 2**40) is None  # out of int32's range: left to the operator (which refuses it)
+    assert pow2._lax_operands(x16, 0.1) is None  # not a float16 number: the operator rounds it
