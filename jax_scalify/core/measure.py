@@ -27,7 +27,7 @@ import numpy as np
 
 from .array import ScaledArray, is_floating_dtype, narrow_range
 from .config import Pow2RoundMode, get_scalify_config
-from .pow2 import binary, is_numpy, map_scalars, numpy_api, pow2_round, pow2_round_down, pow2_round_up
+from .pow2 import binary, is_numpy, map_scalars, pow2_round, pow2_round_down, pow2_round_up
 
 Array = Any
 NormFn = Callable[[Array], Array]
@@ -93,15 +93,13 @@ def mul_data(data: Array, factor: Array) -> Array:
     """
     if isinstance(factor, (np.ndarray, np.generic)) and np.all(factor == 1):
         return data
-    if is_numpy(data):
-        return _mul_data_numpy(data, factor)
     if is_wide_dtype(data.dtype):
         return binary(jax.lax.mul, data, _in_dtype(factor, data.dtype))
     native = _native_16bit_factor(data, factor)
     if native is not None:
         return binary(jax.lax.mul, data, native)
-    wide = binary(jax.lax.mul, jax.lax.convert_element_type(data, np.float32), _in_dtype(factor, np.float32))
-    return jax.lax.convert_element_type(wide, data.dtype)
+    wide = binary(jax.lax.mul, _in_dtype(data, np.float32), _in_dtype(factor, np.float32))
+    return _in_dtype(wide, data.dtype)
 
 
 def _in_dtype(x: Array, dtype: Any) -> Array:
@@ -109,17 +107,6 @@ def _in_dtype(x: Array, dtype: Any) -> Array:
     if is_numpy(x):
         return np.asarray(x, dtype)
     return x if x.dtype == dtype else jax.lax.convert_element_type(x, dtype)
-
-
-def _mul_data_numpy(data: np.ndarray, factor: Array) -> Array:
-    """:func:`mul_data` of trace-time data (a traced ``factor`` makes the product traced)."""
-    if is_wide_dtype(data.dtype):
-        return data * numpy_api(factor).asarray(factor).astype(data.dtype)
-    native = _native_16bit_factor(data, factor)
-    if native is not None:
-        return data * native
-    wide = data.astype(np.float32) * numpy_api(factor).asarray(factor).astype(np.float32)
-    return wide.astype(data.dtype)
 
 
 def saturated_cast(wide: Array, dtype: Any) -> Array:
@@ -140,16 +127,11 @@ def _statistic_terms(data: Array, kind: str) -> tuple[Array, Callable]:
     """The terms whose reduction gives the statistic ``kind`` of ``data``, and their combiner."""
     lax = jax.lax
     if kind == "zero_fraction":
-        return lax.convert_element_type(lax.eq(data, _zero_like(data)), np.float32), lax.add
+        return lax.convert_element_type(binary(lax.eq, data, 0), np.float32), lax.add
     wide = lax.convert_element_type(data, np.float32)
     if kind == "max":
         return lax.abs(wide), lax.max
     return _clamped_terms(wide, "l2"), lax.add
-
-
-def _zero_like(data: Array) -> Array:
-    """A scalar 0 of ``data``'s dtype, which ``lax`` comparisons take beside an array."""
-    return np.zeros((), data.dtype)
 
 
 @functools.cache
