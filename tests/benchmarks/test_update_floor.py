@@ -35,8 +35,9 @@ def test_the_floor_follows_float32_adamw_with_its_state_in_float16():
     params32 = jax.tree.map(update_floor._value, params, is_leaf=update_floor._is_stored)  # as rounded to float16
     reference, reference_state = params32, tx.init(params32)
     for i in range(5):
-        grads32 = jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(i), x.shape), params32)
-        grads = jax.tree.map(lambda g: update_floor._stored_at_max(g), grads32)
+        key = jax.random.PRNGKey(i)
+        grads32 = jax.tree.map(lambda x, key=key: jax.random.normal(key, x.shape), params32)
+        grads = jax.tree.map(update_floor._stored_at_max, grads32)
         params, state = step(grads, state, params)
         updates, reference_state = tx.update(grads32, reference_state, reference)
         reference = optax.apply_updates(reference, updates)
