@@ -34,6 +34,7 @@ from .measure import (
 )
 from .pow2 import (
     binary,
+    computed_once,
     is_numpy,
     numpy_api,
     pow2_exponent,
@@ -427,14 +428,21 @@ def scaled_from_value(result: Array, dtype: Any, scale: Array) -> ScaledArray:
     """A value computed in float32 as a ``ScaledArray`` of data dtype ``dtype`` and ``scale``.
 
     The data are ``result * (2 / scale) * 0.5``: XLA:CPU divides an array by a scalar through
-    its reciprocal, which for a scale of ``2**127`` is subnormal and flushed to 0.
+    its reciprocal, which for a scale of ``2**127`` is subnormal and flushed to 0. Traced
+    16- and 8-bit data are :func:`~jax_scalify.core.pow2.computed_once`: XLA would otherwise
+    keep the float32 result (an ``exp``, a ``tanh``) in memory and narrow it in each kernel
+    that reads it, the backward pass included; the barrier makes the producing kernel write
+    the narrow data once (bit for bit the same values).
     """
     scale = as_scale(scale)
     if not (is_numpy(scale) and np.all(scale == 1)):
         with np.errstate(divide="ignore"):  # an asserted zero's data are inf or nan, as before
             twice_inverse = np.asarray(2, scale.dtype) / scale
         result = result * jnp.asarray(twice_inverse).astype(result.dtype) * np.asarray(0.5, result.dtype)
-    return ScaledArray(result.astype(dtype), scale)
+    data = result.astype(dtype)
+    if np.dtype(dtype).itemsize < 4 and np.ndim(data):
+        data = computed_once(data)
+    return ScaledArray(data, scale)
 
 
 def value_of(x: Any) -> Array:
