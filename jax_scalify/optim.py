@@ -420,17 +420,15 @@ _carry = custom_scale(_plain_carry, static_argnums=(3,))
 def _carry_rule(
     update: ScaledArray, residual: ScaledArray, param: ScaledArray, residual_dtype: np.dtype
 ) -> tuple[ScaledArray, Any]:
-    """On the data, in units of the parameter's scale, where its dtype rounds.
+    """On the data, in units of the parameter's scale (its grid), where its dtype rounds.
 
-    The applied update keeps the update's scale, or takes ``scale(param) * eps(param.dtype)``
-    (the unit in the last place of parameter data in ``[1, 2)``) where that is larger; the
-    residual, at most half a unit in the last place of the parameter, is stored at
-    ``scale(param) * eps(param.dtype) / 2`` (static scales: no statistic). An update far
-    below the parameter's unit in the last place (a learning rate decayed towards 0) applies
-    whole units when its residual crosses half of one; at the update's own scale such a unit
-    could overflow the data dtype, hence the larger of the two scales. A parameter with
-    scale 0 (asserted zero) takes the grid of the update's scale, as the sum in
-    ``apply_updates`` will.
+    The applied update is on the parameter's grid: its data are ``target - param`` in units
+    of the parameter's scale (a difference of neighbours in the parameter's dtype: exact), its
+    scale is the parameter's, and it says so (``grid_of``): the sum in ``optax.apply_updates``
+    then aligns nothing and lands on ``target``. A parameter with scale 0 (asserted zero)
+    takes the grid of the update's scale, which the sum then takes too. The residual, at most
+    half a unit in the last place of the parameter, is stored at ``scale(param) *
+    eps(param.dtype) / 2`` (static scales: no statistic).
     """
     lax = jax.lax
     f32 = lambda x: lax.convert_element_type(x, WORK_DTYPE)  # noqa: E731
@@ -439,19 +437,18 @@ def _carry_rule(
     update_scale = select(binary(lax.gt, f32(update.scale), 0.0), f32(update.scale), one)
     has_grid = binary(lax.gt, f32(param.scale), 0.0)
     grid = select(has_grid, f32(param.scale), update_scale)
-    unit = mul(grid, float(jnp.finfo(param.dtype).eps))  # an ulp of parameter data in [1, 2)
-    applied_scale = lax.max(update_scale, unit)
     total = add(mul(f32(update.data), f32(update.scale)), mul(f32(residual.data), f32(residual.scale)))
     param_units = mul(f32(param.data), select(has_grid, one, np.float32(0)))  # scale 0: the value is 0
     target_units = lax.convert_element_type(add(param_units, _over(total, grid)), param.dtype)
-    applied_units = sub(f32(target_units), param_units)
-    applied = lax.convert_element_type(mul(applied_units, _over(grid, applied_scale)), update.dtype)
-    left = sub(total, mul(f32(applied), applied_scale))
+    applied_data = lax.convert_element_type(sub(f32(target_units), param_units), update.dtype)
+    applied = ScaledArray.unchecked(applied_data, grid, grid_of=param.scale)
+    left = sub(total, mul(f32(applied_data), grid))
     if np.ndim(left) == 0:
-        return ScaledArray(applied, applied_scale), lax.convert_element_type(left, residual_dtype)
+        return applied, lax.convert_element_type(left, residual_dtype)
+    unit = mul(grid, float(jnp.finfo(param.dtype).eps))  # an ulp of parameter data in [1, 2)
     residual_scale = lax.clamp(jnp.finfo(WORK_DTYPE).tiny, mul(unit, 0.5), jnp.finfo(WORK_DTYPE).max)
     residual = ScaledArray(lax.convert_element_type(_over(left, residual_scale), residual_dtype), residual_scale)
-    return ScaledArray(applied, applied_scale), mark_rescaled(residual)  # its bound is its scale
+    return applied, mark_rescaled(residual)  # its bound is its scale
 
 
 def _over(x: jax.Array, scale: jax.Array) -> jax.Array:

@@ -214,12 +214,16 @@ class ScaledArray:
     ``jax.jit``, ``jax.tree`` functions and Optax unchanged. Inside ``scalify`` a value may
     also carry :class:`ScaleFacts` (``any_scale``, ``slices``), what the rules know about it
     beyond data and scale; they are the pytree's aux data, and ``scalify`` returns values
-    without them. It has no arithmetic of its
+    without them. Within one trace a value may also be on another's grid: ``grid_of`` is a
+    scale object ``s`` such that this value's scale equals ``s`` wherever ``s`` is not 0 (the
+    update ``jsa.optim.scale_state`` computes on its parameter's grid), so a sum with the value
+    whose scale is ``s`` aligns nothing. It refers to a traced scale, so it is not aux data:
+    a pytree boundary drops it, and such a sum then aligns at run time. It has no arithmetic of its
     own: computations on it happen inside :func:`jax_scalify.scalify`. A concrete 0-d one
     converts with ``float()``, ``int()`` and ``bool()``.
     """
 
-    __slots__ = ("data", "scale", "any_scale", "slices", "rescaled", "pinned", "sparse")
+    __slots__ = ("data", "scale", "any_scale", "slices", "rescaled", "pinned", "sparse", "grid_of")
     __array_priority__ = 100  # make `np.ndarray + ScaledArray` defer to our error message
 
     def __init__(
@@ -254,6 +258,7 @@ class ScaledArray:
         self.any_scale = bool(any_scale)
         self.slices = None if slices is None else tuple(slices)
         self.rescaled = self.pinned = self.sparse = False
+        self.grid_of = None
 
     @classmethod
     def unchecked(
@@ -266,6 +271,7 @@ class ScaledArray:
         rescaled: bool = False,
         pinned: bool = False,
         sparse: bool = False,
+        grid_of: Array | None = None,
     ) -> ScaledArray:
         """``ScaledArray(data, scale)`` without any check, for code that computed the scale itself.
 
@@ -276,6 +282,7 @@ class ScaledArray:
         obj.data, obj.scale = data, scale
         obj.any_scale, obj.slices = any_scale, slices
         obj.rescaled, obj.pinned, obj.sparse = rescaled, pinned, sparse
+        obj.grid_of = grid_of
         return obj
 
     @property
@@ -284,8 +291,8 @@ class ScaledArray:
         return ScaleFacts(self.any_scale, self.slices is not None, self.rescaled, self.pinned, self.sparse)
 
     def plain(self) -> ScaledArray:
-        """The same data and scale without any :class:`ScaleFacts` (what a rule's output starts from)."""
-        if self.facts == _PLAIN_FACTS:
+        """The same data and scale without any :class:`ScaleFacts` nor ``grid_of`` (what a rule's output starts from)."""
+        if self.facts == _PLAIN_FACTS and self.grid_of is None:
             return self
         return ScaledArray.unchecked(self.data, self.scale)
 
@@ -299,6 +306,7 @@ class ScaledArray:
             rescaled=self.rescaled or rescaled,
             pinned=self.pinned or pinned,
             sparse=self.sparse or sparse,
+            grid_of=self.grid_of,
         )
 
     # Pytree protocol. Unflattening bypasses the checks: JAX rebuilds pytrees with

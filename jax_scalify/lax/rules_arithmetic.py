@@ -140,6 +140,32 @@ def _sum_scale(a: ScaledArray, b: ScaledArray) -> Array:
     return as_scale(pow2_round_positive_or_one(hi * lax.sqrt(1 + ratio * ratio)))
 
 
+def _on_grid_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, params: dict) -> ScaledArray | None:
+    """The sum at the scale of the operand on the other's grid (``grid_of``), or None if neither is.
+
+    That operand's scale equals the other's wherever the other's is not 0, so the other
+    operand's data are read as they are (factor 1), as 0 where its scale is 0 (asserted zero)
+    and as nan where it is nan (an invalid input scale stays visible): no common scale is
+    computed and no data are moved by a run-time factor. ``optax.apply_updates`` adds
+    ``jsa.optim.scale_state``'s compensated updates to their parameters so.
+    """
+    if b.grid_of is not None and b.grid_of is a.scale:
+        anchor, follower = a, b
+    elif a.grid_of is not None and a.grid_of is b.scale:
+        anchor, follower = b, a
+    else:
+        return None
+    if is_any_scale(anchor) or is_numpy(anchor.scale):
+        return None
+    same = binary(lax.eq, anchor.scale, follower.scale)
+    zero = binary(lax.eq, anchor.scale, np.float32(0))
+    nan = np.full(np.shape(anchor.scale), np.nan, np.dtype(anchor.scale.dtype))
+    factor = select(same, np.ones_like(nan), select(zero, np.zeros_like(nan), nan))
+    anchor_data = mul_data(anchor.data, factor)
+    datas = (anchor_data, follower.data) if anchor is a else (follower.data, anchor_data)
+    return ScaledArray(prim.bind(*datas, **params), follower.scale)
+
+
 def _scaled_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, params: dict) -> ScaledArray:
     """The sum at :func:`_sum_scale`; computed once where both operands are aligned at run time.
 
@@ -150,6 +176,9 @@ def _scaled_sum(prim: Primitive, a: ScaledArray, b: ScaledArray, params: dict) -
     again in the kernels of every later block, work that grows as the square of the depth.
     :func:`~jax_scalify.core.pow2.computed_once` keeps each such sum one kernel's result.
     """
+    on_grid = _on_grid_sum(prim, a, b, params)
+    if on_grid is not None:
+        return on_grid
     scale = _sum_scale(a, b)
     if _is_backward_sum_to_rescale(a, b):
         out = _backward_sum_in_float32(prim, a, b, scale, params)

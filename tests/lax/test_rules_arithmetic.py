@@ -358,3 +358,54 @@ def test_scaled_array_outside_scalify_is_rejected():
     x = jsa.ScaledArray(jnp.ones(3), jnp.float32(2.0))
     with pytest.raises(TypeError, match="scalify"):
         jnp.maximum(x, 0.0)
+
+
+def _on_the_grid_of_x(x, u):
+    """``u`` (plain); its scale rules put it on ``x``'s grid, as ``jsa.optim.scale_state``'s updates are."""
+    return u
+
+
+def _grid_rule(declared: bool):
+    def rule(x, u):
+        grid = jnp.where(x.scale > 0, x.scale, u.scale)  # x's scale where it is not 0
+        data = (u.data.astype(jnp.float32) * (u.scale / grid)).astype(u.dtype)
+        return jsa.ScaledArray.unchecked(data, grid, grid_of=x.scale if declared else None)
+
+    return rule
+
+
+_on_grid = jsa.custom_scale(_on_the_grid_of_x)
+_on_grid.defscale(_grid_rule(declared=True))
+_undeclared = jsa.custom_scale(_on_the_grid_of_x)
+_undeclared.defscale(_grid_rule(declared=False))
+
+
+def _primitive_names(fn, *args) -> list:
+    return [e.primitive.name for e in jax.make_jaxpr(jsa.scalify(fn, policy=STATIC_POLICY))(*args).jaxpr.eqns]
+
+
+@pytest.mark.parametrize("x_scale", [2.0**-3, 0.0])
+def test_a_sum_with_a_value_on_its_grid_aligns_nothing(x_scale):
+    """``x + u`` with ``u`` declared on ``x``'s grid (``grid_of``): exact, at ``u``'s scale, no alignment.
+
+    A scale of 0 (asserted zero, the scale of a zero-initialised parameter) reads as 0 and the
+    update's own grid is kept. Undeclared, the same sum takes the common scale of two
+    run-time scales and divides to align them.
+    """
+    x = jsa.ScaledArray(jnp.asarray([1.0, -3.0, 0.5], jnp.float16), jnp.float32(x_scale))
+    u = jsa.ScaledArray(jnp.asarray([0.25, 1.0, -2.0], jnp.float16), jnp.float32(2.0**-3))
+    on_grid = lambda x, u: x + _on_grid(x, u)  # noqa: E731
+    out = jax.jit(jsa.scalify(on_grid, policy=STATIC_POLICY))(x, u)
+    np.testing.assert_array_equal(_value(out), _value(x) + _value(u))
+    assert _scale(out) == 2.0**-3
+    declared = _primitive_names(on_grid, x, u)
+    undeclared = _primitive_names(lambda x, u: x + _undeclared(x, u), x, u)
+    assert declared.count("div") < undeclared.count("div") and len(declared) < len(undeclared)
+
+
+def test_a_value_on_the_grid_of_an_invalid_scale_gives_nan():
+    """An invalid input scale is NaN inside a jitted scalify: the on-grid sum keeps it visible."""
+    x = jsa.ScaledArray.unchecked(jnp.ones(3, jnp.float16), jnp.float32(3.0))  # not a power of two
+    u = jsa.ScaledArray(jnp.ones(3, jnp.float16), jnp.float32(1.0))
+    out = jax.jit(jsa.scalify(lambda x, u: x + _on_grid(x, u), policy=STATIC_POLICY))(x, u)
+    assert np.all(np.isnan(_value(out)))
