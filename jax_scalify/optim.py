@@ -423,9 +423,10 @@ def _carry_rule(
     """On the data, in units of the parameter's scale (its grid), where its dtype rounds.
 
     The applied update is on the parameter's grid: its data are ``target - param`` in units
-    of the parameter's scale (a difference of neighbours in the parameter's dtype: exact), its
-    scale is the parameter's, and it says so (``grid_of``): the sum in ``optax.apply_updates``
-    then aligns nothing and lands on ``target``. A parameter with scale 0 (asserted zero)
+    of the parameter's scale (exact for entries that move by less than their own size, as
+    updates do; otherwise the cast's rounding stays in the residual), its scale is the
+    parameter's, and it says so (``grid_of``): the sum in ``optax.apply_updates`` then aligns
+    nothing and lands on ``target``. A parameter with scale 0 (asserted zero)
     takes the grid of the update's scale, which the sum then takes too. The residual, at most
     half a unit in the last place of the parameter, is stored at ``scale(param) *
     eps(param.dtype) / 2`` (static scales: no statistic).
