@@ -423,7 +423,7 @@ def _carry_rule(
     """On the data, in units of the parameter's scale (its grid), where its dtype rounds.
 
     The applied update is on the parameter's grid: its data are ``target - param`` in units
-    of the parameter's scale (exact for entries that move by less than their own size, as
+    of the parameter's scale (exact where an entry moves by at most half its size, as
     updates do; otherwise the cast's rounding stays in the residual), its scale is the
     parameter's, and it says so (``grid_of``): the sum in ``optax.apply_updates`` then aligns
     nothing and lands on ``target``. A parameter with scale 0 (asserted zero)
