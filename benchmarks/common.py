@@ -7,7 +7,7 @@ import dataclasses
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -124,3 +124,12 @@ def hlo_opcode_count(hlo: str, opcode: str) -> int:
 def abstract(tree: Any, sharding: Any = None) -> Any:
     """``ShapeDtypeStruct`` of each leaf of ``tree`` (arrays or abstract values), placed on ``sharding``."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def markdown_table(rows: list[dict], columns: Sequence[tuple[str, str, str]]) -> str:
+    """``rows`` as a markdown table; ``columns`` are ``(header, key, format)``, ``"s"`` left-aligned, a missing value ``-``."""
+    cell = lambda row, key, fmt: "-" if row.get(key) is None else format(row[key], fmt)  # noqa: E731
+    lines = ["| " + " | ".join(header for header, _, _ in columns) + " |"]
+    lines.append("|" + "|".join("---" if fmt == "s" else "---:" for _, _, fmt in columns) + "|")
+    lines += ["| " + " | ".join(cell(row, key, fmt) for _, key, fmt in columns) + " |" for row in rows]
+    return "\n".join(lines)

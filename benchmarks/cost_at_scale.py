@@ -82,7 +82,7 @@ import jax_scalify as jsa  # noqa: E402
 from jax_scalify.analysis import entry_kernels, gemm_calls  # noqa: E402
 from tests.programs import gpt_linen, recipe  # noqa: E402
 
-from .common import abstract, hlo_opcode_count, interleaved_medians, primitive_counts, stage_times  # noqa: E402
+from .common import abstract, hlo_opcode_count, interleaved_medians, markdown_table, primitive_counts, stage_times  # noqa: E402
 
 REDUCTIONS = frozenset(
     {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor", "reduce"}
@@ -314,15 +314,8 @@ def table(rows: list[dict], runtime: bool, h100: bool, split: bool = False) -> s
     skip |= set() if split else {key for _, key, _ in COLUMNS if key.startswith(("grads", "update"))}
     skip |= set() if h100 else {key for _, key, _ in COLUMNS if key.startswith("h100")}
     columns = [c for c in COLUMNS if c[1] not in skip]
-
-    def cell(row, key, fmt):
-        value = row["temp_bytes"] / 2**20 if key == "temp_mib" and row.get("temp_bytes") is not None else row.get(key)
-        return "-" if value is None else format(value, fmt)
-
-    lines = ["| " + " | ".join(c[0] for c in columns) + " |"]
-    lines.append("|" + "|".join("---" if fmt == "s" else "---:" for _, _, fmt in columns) + "|")
-    lines += ["| " + " | ".join(cell(row, key, fmt) for _, key, fmt in columns) + " |" for row in rows]
-    return "\n".join(lines)
+    mib = lambda row: {"temp_mib": row["temp_bytes"] / 2**20} if row.get("temp_bytes") is not None else {}  # noqa: E731
+    return markdown_table([{**row, **mib(row)} for row in rows], columns)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

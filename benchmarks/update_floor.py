@@ -51,7 +51,7 @@ import jax_scalify as jsa
 from tests.programs import gpt_linen, recipe
 
 from . import cost_at_scale
-from .common import hlo_opcode_count, primitive_counts, stage_times
+from .common import hlo_opcode_count, markdown_table, stage_times
 
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
 STORAGE_EXPONENT = 14  # the largest stored entry in (2**13, 2**14], as scale_state stores float16
@@ -190,12 +190,12 @@ def build(name: str, params32: Any) -> tuple[Callable, tuple]:
 
 def measure(name: str, fn: Callable, args: tuple) -> dict:
     stages = stage_times(fn, *args)
-    counts = primitive_counts(stages.traced.jaxpr)
+    counts = cost_at_scale.jaxpr_counts(stages.traced.jaxpr)
     hlo = stages.compiled.as_text()
     return {
         "variant": name,
-        "eqns": sum(counts.values()),
-        "reductions": sum(n for p, n in counts.items() if p in cost_at_scale.REDUCTIONS),
+        "eqns": counts["eqns"],
+        "reductions": counts["reductions"],
         "fusions": hlo_opcode_count(hlo, "fusion"),
         "hlo_instructions": len(re.findall(r"^\s+(?:ROOT )?%?\S+ = ", hlo, re.M)),
         **{f"{stage}_cpu_s": s for stage, s in stages.cpu.items()},
@@ -232,14 +232,6 @@ COLUMNS = (
 )
 
 
-def table(rows: list[dict]) -> str:
-    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    lines = ["| " + " | ".join(c[0] for c in COLUMNS) + " |"]
-    lines.append("|" + "|".join("---" if f == "s" else "---:" for _, _, f in COLUMNS) + "|")
-    lines += ["| " + " | ".join(fmt(row.get(key), f) for _, key, f in COLUMNS) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[12], help="model depths (default: 12)")
@@ -250,7 +242,7 @@ def main(argv=None) -> list[dict]:
     shape = cost_at_scale.TINY if args.tiny else cost_at_scale.GPT2
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {shape}")
     rows = [row for layers in args.layers for row in run(shape, layers, args.variants, lambda s: print(s, flush=True))]
-    print(table(rows))
+    print(markdown_table(rows, COLUMNS))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"jax": jax.__version__, **dataclasses.asdict(shape), "rows": rows}, f, indent=2)
