@@ -416,6 +416,7 @@ def _eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> lis
     gradients = _gradients_to_rescale(jaxpr)
     residuals = _residuals_to_rescale(jaxpr)
     pending: list[Var] = []  # gradients defined, to rescale together before their first forward use
+    pending_residuals: list[Var] = []  # residuals defined, to rescale together before their first backward use
 
     def rescale_pending():
         fresh = [v for v in pending if not rescale_policy.was_rescaled(env[v])]  # a rule may have rescaled one
@@ -423,15 +424,19 @@ def _eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> lis
             env[v] = val
         pending.clear()
 
+    def rescale_pending_residuals():
+        for v, val in zip(pending_residuals, rescale_policy.rescale_residuals([env[v] for v in pending_residuals])):
+            env[v] = val
+        pending_residuals.clear()
+
     with rescale_policy.recording_operand_rescales() as operand_rescales:
         for eqn in jaxpr.eqns:
             uses_gradient = pending and any(isinstance(v, Var) and v in gradients for v in eqn.invars)
             if uses_gradient and not rescale_policy.is_backward_equation(eqn):
                 rescale_pending()
-            if residuals and rescale_policy.is_backward_equation(eqn):
-                for v in eqn.invars:
-                    if isinstance(v, Var) and v in residuals:
-                        env[v] = rescale_policy.rescale_residual(env[v])
+            uses_residual = pending_residuals and any(isinstance(v, Var) and v in residuals for v in eqn.invars)
+            if uses_residual and rescale_policy.is_backward_equation(eqn):
+                rescale_pending_residuals()
             invals = [read(v) for v in eqn.invars]
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             with (
@@ -452,6 +457,8 @@ def _eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> lis
                 write(v, val)
                 if v in gradients:
                     pending.append(v)
+                elif v in residuals:
+                    pending_residuals.append(v)
     if pending:
         rescale_pending()
     return [read(v) for v in jaxpr.outvars]

@@ -402,15 +402,23 @@ def evaluating(eqn: Any) -> Iterator[None]:
         _state.backward_depth -= backward
 
 
-def rescale_residual(x: Any) -> Any:
-    """A residual (:func:`backward_product_residuals`) rescaled if it holds float16/FP8 data with a run-time scale.
+def _is_residual_to_rescale(x: Any) -> bool:
+    return is_rescalable(x) and narrow_range(x.dtype) and not is_numpy(x.scale) and not was_rescaled(x)
 
-    Wide data, constants (NumPy scales) and values whose scale was already chosen from their
-    data are returned as they are.
+
+def rescale_residuals(values: Sequence[Any]) -> list:
+    """The residuals (:func:`backward_product_residuals`) holding float16/FP8 data with a run-time scale, rescaled together.
+
+    One batch of statistics (:func:`rescale_all`) for all the residuals defined before the
+    backward equation that first reads one of them: each is the same rescale as on its own,
+    in fewer reductions. Wide data, constants (NumPy scales) and values whose scale was
+    already chosen from their data are returned as they are.
     """
-    if not (is_rescalable(x) and narrow_range(x.dtype)) or is_numpy(x.scale) or was_rescaled(x):
-        return x
-    return rescale_by_policy(x)
+    values = list(values)
+    where = [i for i, x in enumerate(values) if _is_residual_to_rescale(x)]
+    for i, out in zip(where, rescale_all([values[i] for i in where])):
+        values[i] = out
+    return values
 
 
 __all__ = [
@@ -434,7 +442,7 @@ __all__ = [
     "rescaled_into",
     "rescale_loop_carries",
     "rescale_operand",
-    "rescale_residual",
+    "rescale_residuals",
     "rescale_self_product",
     "rescale_self_product_operands",
     "rescaled_from_data",
