@@ -120,7 +120,7 @@ def largest_magnitude(data: Array) -> Array:
     return jnp.max(jnp.abs(data)).astype(np.float32)
 
 
-VARIADIC_SUM_LIMIT = 4096
+VARIADIC_LIMIT = 4096
 
 
 def _statistic_terms(data: Array, kind: str) -> tuple[Array, Callable]:
@@ -141,21 +141,20 @@ def _combined(combiners: tuple[Callable, ...]) -> Callable:
 
 
 def batched_statistics(datas: Sequence[Array], kinds: Sequence[str]) -> list[Array]:
-    """The statistic ``kinds[i]`` of each ``datas[i]``; all those of one shape in one (variadic) reduction.
+    """The statistic ``kinds[i]`` of each ``datas[i]``; those of one small shape in one (variadic) reduction.
 
     ``"max"``: the largest magnitude, in float32, exact; ``"mean_square"``: the mean of the
     clamped squares of :func:`_one_pass_statistic`; ``"zero_fraction"``: the fraction of
     entries equal to 0. XLA compiles one variadic reduction as one kernel, where separate
-    reductions are one kernel each, also of the same data: several statistics of one
-    tensor, or the moments of one parameter, are one kernel. XLA:CPU runs a variadic
-    reduction as a sequential loop, which for a sum is about ten times slower than a sum of
-    its own (a maximum is as fast): sums of more than :data:`VARIADIC_SUM_LIMIT` entries are
-    reduced on their own. Arrays sharded differently in their types are not reduced together
-    (the partitioner would reshard one of them).
+    reductions are one kernel each. Tensors of more than :data:`VARIADIC_LIMIT` entries are
+    reduced on their own: a variadic reduction holds all its operands in memory at once (the
+    float32 moments of every same-shaped weight of a model), and XLA:CPU runs it as a
+    sequential loop, which for a sum is about ten times slower than a sum of its own. Arrays sharded differently in their
+    types are not reduced together (the partitioner would reshard one of them).
     """
     by_shape: dict[tuple, list[int]] = {}
     for i, d in enumerate(datas):
-        alone = kinds[i] != "max" and np.size(d) > VARIADIC_SUM_LIMIT
+        alone = np.size(d) > VARIADIC_LIMIT
         by_shape.setdefault(("alone", i) if alone else (np.shape(d), str(_sharding_spec(d))), []).append(i)
     out: list[Array] = [None] * len(datas)
     for where in by_shape.values():
@@ -814,7 +813,7 @@ def narrowed_for_storage(
     Each of ``unit_rms`` (float32 data that are computed on next: an optimizer's updates)
     gets its root mean square as scale, rounded with the configured mode; the mean of the
     clamped squares of :func:`_one_pass_statistic` is exact for entries in
-    ``[2**-60, 2**50]``. All statistics of one shape are one reduction
+    ``[2**-60, 2**50]``. The statistics of small tensors of one shape are one reduction
     (:func:`batched_statistics`); the exponent arithmetic is :func:`_rescaled_rows`.
     """
     mode = get_scalify_config().rounding_mode
