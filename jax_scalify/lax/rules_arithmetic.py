@@ -62,6 +62,7 @@ from ..core.sites import (
     inherit_mark,
     is_self_product,
     rescale_self_product,
+    rescaled_from_data,
     rescaled_into,
     rescales_cast,
     rescales_in_backward_pass,
@@ -197,8 +198,13 @@ def _aligned_at_run_time(a: ScaledArray, b: ScaledArray) -> bool:
 
 
 def _is_backward_sum_to_rescale(a: ScaledArray, b: ScaledArray) -> bool:
-    """A backward-pass sum of two operands with their own run-time scales."""
-    return _aligned_at_run_time(a, b) and rescales_in_backward_pass()
+    """A backward-pass sum of two operands with their own run-time scales, not both chosen from their data.
+
+    Two operands whose scales a policy site chose from their data both hold unit-sized
+    data: the static sum's assumption holds, and the sum needs no statistic of its own.
+    """
+    both_measured = rescaled_from_data(a) and rescaled_from_data(b)
+    return _aligned_at_run_time(a, b) and not both_measured and rescales_in_backward_pass()
 
 
 def _backward_sum_in_float32(prim: Primitive, a: ScaledArray, b: ScaledArray, scale, params: dict) -> ScaledArray:
