@@ -9,8 +9,8 @@ its hyperparameters:
 - the inner update runs on plain float32 values (``data * scale`` of the stored state and
   of the gradients), so ``eps = 1e-8`` or ``1e-16`` and the bias corrections are what they
   are in FP32, and no scale arithmetic runs beside Optax's;
-- the new state is narrowed again, its largest entry at the top of the range (the largest
-  entries of all state arrays of one shape in one reduction); the outgoing updates get their
+- the new state is narrowed again, its largest entry at the top of the range (one reduction
+  per array, those of small arrays of one shape together); the outgoing updates get their
   RMS as scale (one reduction each), so the parameters' scales follow their data whatever
   the gradients' propagated scales were.
 
@@ -267,8 +267,9 @@ def _stored_rule(xs: list[ScaledArray], dtypes: tuple[np.dtype, ...], updates: l
 def _store(state: PyTree, storage: _Storage, updates: PyTree = None) -> tuple[PyTree, PyTree]:
     """Narrow every array leaf of a float32 state for storage, and rescale the float32 ``updates``. Runs under scalify.
 
-    The state's largest entries and the updates' root mean squares are measured together:
-    one reduction per shape. Floating scalars stay plain. ``rescale=None``: everything at
+    The state's largest entries and the updates' root mean squares are measured together
+    (:func:`~jax_scalify.core.measure.narrowed_for_storage`): one reduction per array, those
+    of small arrays of one shape together. Floating scalars stay plain. ``rescale=None``: everything at
     scale 1; other statistics than ``"l2"``: the updates through ``dynamic_rescale``.
     """
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)

@@ -32,9 +32,10 @@ class RescalePolicy(sites.ScalePolicy):
             it meets scaled data (the loss's cotangent times plain inputs) gets its
             statistic as scale; sums of float16/FP8 data (``reduce_sum``, ``cumsum``,
             ``scatter-add``; not collectives) are accumulated in float32 and narrowed with
-            their statistic; an elementwise sum of two operands with run-time scales is taken
-            at the smaller operand scale and rescaled; each float16/FP8 forward value a
-            backward product reads is rescaled once before its first backward use.
+            their statistic; an elementwise sum of two operands with run-time scales, not
+            both chosen from their data, is taken at the smaller operand scale and rescaled;
+            each float16/FP8 forward value a backward product reads is rescaled once, those
+            defined so far together, before the first backward equation that reads one.
         loop_carries: the scaled carries of ``scan``/``while`` bodies, at every iteration.
         outputs: the floating scaled values the scalified function returns (the next step's
             state), together; values whose scale was just chosen (gradients, stored optimizer
