@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import re
 import statistics
 import time
@@ -133,3 +134,9 @@ def markdown_table(rows: list[dict], columns: Sequence[tuple[str, str, str]]) ->
     lines.append("|" + "|".join("---" if fmt == "s" else "---:" for _, _, fmt in columns) + "|")
     lines += ["| " + " | ".join(cell(row, key, fmt) for _, key, fmt in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def write_json(path: str, rows: list[dict], **config: Any) -> None:
+    """``{"jax": version, **config, "rows": rows}`` written to ``path`` (a benchmark's ``--json``)."""
+    with open(path, "w") as f:
+        json.dump({"jax": jax.__version__, **config, "rows": rows}, f, indent=2)

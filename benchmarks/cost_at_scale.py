@@ -68,7 +68,6 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -82,7 +81,15 @@ import jax_scalify as jsa  # noqa: E402
 from jax_scalify.analysis import entry_kernels, gemm_calls  # noqa: E402
 from tests.programs import gpt_linen, recipe  # noqa: E402
 
-from .common import abstract, hlo_opcode_count, interleaved_medians, markdown_table, primitive_counts, stage_times  # noqa: E402
+from .common import (  # noqa: E402
+    abstract,
+    hlo_opcode_count,
+    interleaved_medians,
+    markdown_table,
+    primitive_counts,
+    stage_times,
+    write_json,
+)
 
 REDUCTIONS = frozenset(
     {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor", "reduce"}
@@ -356,18 +363,7 @@ def main(argv=None) -> list[dict]:
         )
     print(table(rows, runtime=rounds > 0, h100=sharding is not None, split=args.split))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "jax": jax.__version__,
-                    "device": device.device_kind,
-                    **dataclasses.asdict(shape),
-                    "runtime_rounds": rounds,
-                    "rows": rows,
-                },
-                f,
-                indent=2,
-            )
+        write_json(args.json, rows, device=device.device_kind, **dataclasses.asdict(shape), runtime_rounds=rounds)
     return rows
 
 

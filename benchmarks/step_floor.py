@@ -39,7 +39,6 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -51,7 +50,7 @@ import jax_scalify as jsa  # noqa: E402
 from tests.programs import gpt_linen, recipe  # noqa: E402
 
 from . import cost_at_scale, update_floor  # noqa: E402
-from .common import interleaved_medians, markdown_table  # noqa: E402
+from .common import interleaved_medians, markdown_table, write_json  # noqa: E402
 
 F16 = np.dtype(np.float16)
 VARIANTS = ("plain_fp16", "scalify_fp16", "scalify_fp16_static", "floor")
@@ -182,8 +181,7 @@ def main(argv=None) -> list[dict]:
     ]
     print(table(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"jax": jax.__version__, **dataclasses.asdict(shape), "rows": rows}, f, indent=2)
+        write_json(args.json, rows, **dataclasses.asdict(shape))
     return rows
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -51,7 +50,7 @@ import jax_scalify as jsa
 from tests.programs import gpt_linen, recipe
 
 from . import cost_at_scale
-from .common import hlo_opcode_count, markdown_table, stage_times
+from .common import hlo_opcode_count, markdown_table, stage_times, write_json
 
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
 STORAGE_EXPONENT = 14  # the largest stored entry in (2**13, 2**14], as scale_state stores float16
@@ -244,8 +243,7 @@ def main(argv=None) -> list[dict]:
     rows = [row for layers in args.layers for row in run(shape, layers, args.variants, lambda s: print(s, flush=True))]
     print(markdown_table(rows, COLUMNS))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"jax": jax.__version__, **dataclasses.asdict(shape), "rows": rows}, f, indent=2)
+        write_json(args.json, rows, **dataclasses.asdict(shape))
     return rows
 
 
