@@ -293,6 +293,7 @@ def test_a_moment_that_becomes_all_zero_gets_scale_zero_and_keeps_its_zeros():
     np.testing.assert_array_equal(np.asarray(jsa.asarray(updates)["w"]), 0.0)
 
 
+@pytest.mark.slow  # for time: clears JAX's caches and runs init op by op
 def test_init_of_device_arrays_compiles_a_few_programs_and_matches_op_by_op():
     """Called eagerly, ``init`` costs the inner Optax ``init`` and two compiled programs (the
     parameters' float32 values, the stored state): op by op, each state tensor's statistic,

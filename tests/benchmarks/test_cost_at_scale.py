@@ -56,6 +56,7 @@ def test_deviceless_columns_or_reason(capsys):
         assert rows[0]["h100_kernels"] > 0 and rows[0]["h100_gemms"] == 3
 
 
+@pytest.mark.slow  # for time: an option of the benchmark; tests/benchmarks/test_step_floor.py checks the floor's folding by default
 def test_the_floor_variant_folds_the_scale_arithmetic_of_the_state():
     """Opt-in: the static step with the state's scales as trace-time constants has fewer equations
     and takes the state's data only."""
@@ -69,6 +70,7 @@ def test_the_floor_variant_folds_the_scale_arithmetic_of_the_state():
     assert not any(isinstance(x, cost_at_scale.jsa.ScaledArray) for x in datas)
 
 
+@pytest.mark.slow  # for time: an option of the benchmark, compiled twice
 def test_split_into_the_gradient_step_and_the_update(capsys):
     """``--split``: the gradient step compiled alone; the update's share is the rest of the full step's."""
     argv = TINY + ["--variants", "plain_fp16", "scalify_fp16", "--no-runtime", "--split"]

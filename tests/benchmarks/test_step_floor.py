@@ -11,7 +11,7 @@ import optax
 
 from benchmarks import cost_at_scale, step_floor
 
-SHAPE, LAYERS = cost_at_scale.TINY, 1
+SHAPE, LAYERS = cost_at_scale.TINY, 0
 
 
 def test_the_floor_step_computes_the_loss_and_returns_float16_state():

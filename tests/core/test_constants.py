@@ -391,6 +391,7 @@ def test_unpaired_traces_raise_for_a_lost_constant():
     assert "test_constants.py" in str(info.value)
 
 
+@pytest.mark.slow  # for time: optax.ctc_loss's gradient op by op
 def test_a_constant_beyond_the_data_range_in_unpaired_traces_raises_no_numpy_warning():
     """Looking for lost constants casts float32 literals to float16: ``optax.ctc_loss``'s
     ``log_epsilon = -1e5`` overflows there, which is what is checked, not a warning."""
@@ -443,6 +444,7 @@ def _batch_norm_grads(x, gain):
     return jax.grad(loss, argnums=(0, 1))(x, gain)
 
 
+@pytest.mark.slow  # for time: op by op under disable_jit
 def test_traces_whose_backward_passes_sum_in_another_order_pair_by_origin():
     """Under ``jax.disable_jit()`` ``jnp.var`` is inlined: the float16 trace's extra converts
     change the order of the transposed sums, so the traces only pair by origin; the eps of

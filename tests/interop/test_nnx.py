@@ -138,6 +138,7 @@ def test_eval_mode_uses_running_statistics_and_changes_nothing(trained):
     assert not model.dropout.deterministic and not model.norm.use_running_average
 
 
+@pytest.mark.slow  # for time: op by op; the jitted NNX idioms run by default
 def test_eager_scalify_and_objects_nested_in_arguments():
     model, optimizer = make_model()
     ref_model, ref_optimizer = make_model()

@@ -176,6 +176,7 @@ def test_shard_map_keeps_specs_and_options():
     assert eqn.params["check_vma"] is True
 
 
+@pytest.mark.slow  # for time: compiles several shard_map programs; test_invariance[shard_map_psum] runs by default
 def test_shard_map_with_plain_and_integer_arguments():
     @smap((P("x"), P("x"), P()), (P("x"), P("x")))
     def fn(x, idx, plain):

@@ -814,6 +814,7 @@ def test_a_square_x_times_x_of_float16_data_far_from_unit_size_is_finite(jit):
     np.testing.assert_allclose(float(out), expected, rtol=2e-3)
 
 
+@pytest.mark.slow  # for time: an adaptive solver's whole adjoint; the other self-product tests run by default
 def test_neural_ode_gradient_in_float16_follows_float32():
     """``jax.experimental.ode.odeint`` (adaptive steps, adjoint gradients) of a small MLP in float16:
     the step-size estimate squares the flattened adjoint state (``x * x``), whose few large entries

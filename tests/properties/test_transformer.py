@@ -113,6 +113,7 @@ def _check_invariance(data, cfg, plain, scalified, max_exponent):
     assert_close_values(got, expected, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.slow  # for time: test_rescale_policy's GPT Adam step checks invariance by default
 @settings(max_examples=examples(5), deadline=None)
 @given(data=st.data())
 def test_gpt_adam_step_invariance(data):
