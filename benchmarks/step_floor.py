@@ -22,6 +22,11 @@ warmup-cosine schedule, the new parameters and optimizer state):
   step to step; a zero-initialised parameter gets scale 1 (a scale of 0 would fold its
   sums away). It does less than the recipe (no scale moves with its parameter, nothing is
   checked), so each of its figures is a lower bound of the recipe's for this design.
+- ``floor_default``: the floor with its gradient step under the default rescale policy, whose
+  sites then measure at run time and scale arithmetic follows each measurement: the floor of
+  the README recipe's policy. It does less than ``scalify_fp16`` in the same ways as
+  ``floor``, and its update has no ``outputs`` site (the returned parameters keep their
+  scales), so its figures are lower bounds of ``scalify_fp16``'s.
 
 Columns (x plain: against ``plain_fp16`` in the same run): jaxpr equations, statistics
 (reductions beyond plain's), XLA:CPU fusions, XLA's temporary buffers, trace + lower +
@@ -53,7 +58,8 @@ from . import cost_at_scale, update_floor  # noqa: E402
 from .common import interleaved_medians, markdown_table, write_json  # noqa: E402
 
 F16 = np.dtype(np.float16)
-VARIANTS = ("plain_fp16", "scalify_fp16", "scalify_fp16_static", "floor")
+STATIC = jsa.RescalePolicy.static()
+VARIANTS = ("plain_fp16", "scalify_fp16", "scalify_fp16_static", "floor", "floor_default")
 
 
 def _fixed_scale(x: jsa.ScaledArray) -> np.ndarray:
@@ -62,8 +68,13 @@ def _fixed_scale(x: jsa.ScaledArray) -> np.ndarray:
     return np.where(scale == 0, np.ones_like(scale), scale)
 
 
-def build_floor(shape: cost_at_scale.Shape, layers: int, params32: Any) -> tuple[Callable, tuple]:
-    """The floor's step ``(datas, state, tokens, targets) -> (loss, datas, state)`` and its arguments."""
+def build_floor(
+    shape: cost_at_scale.Shape, layers: int, params32: Any, policy: jsa.RescalePolicy = STATIC
+) -> tuple[Callable, tuple]:
+    """The floor's step ``(datas, state, tokens, targets) -> (loss, datas, state)`` and its arguments.
+
+    ``policy``: the rescale policy of the gradient step (the static one for ``floor``).
+    """
     tx = gpt_linen.make_optimizer()
     leaves, treedef = jax.tree.flatten(recipe.scale_state(params32, F16), is_leaf=jsa.is_scaled_leaf)
     scales = [_fixed_scale(x) for x in leaves]
@@ -73,7 +84,7 @@ def build_floor(shape: cost_at_scale.Shape, layers: int, params32: Any) -> tuple
         logits = apply({"params": params}, tokens)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-    grads_fn = jsa.scalify(jax.value_and_grad(loss_fn), policy=jsa.RescalePolicy.static())
+    grads_fn = jsa.scalify(jax.value_and_grad(loss_fn), policy=policy)
     update = update_floor.floor_update(tx)
 
     def step(datas, state, tokens, targets):
@@ -93,6 +104,8 @@ def build_floor(shape: cost_at_scale.Shape, layers: int, params32: Any) -> tuple
 def build(name: str, shape: cost_at_scale.Shape, layers: int, params32: Any) -> tuple[Callable, tuple]:
     if name == "floor":
         return build_floor(shape, layers, params32)
+    if name == "floor_default":
+        return build_floor(shape, layers, params32, jsa.RescalePolicy())
     return cost_at_scale.build(name, shape, layers, params32)
 
 

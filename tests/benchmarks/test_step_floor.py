@@ -8,15 +8,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from benchmarks import cost_at_scale, step_floor
 
 SHAPE, LAYERS = cost_at_scale.TINY, 0
 
 
-def test_the_floor_step_computes_the_loss_and_returns_float16_state():
+@pytest.mark.parametrize("name", ["floor", "floor_default"])
+def test_the_floor_step_computes_the_loss_and_returns_float16_state(name):
     params32 = cost_at_scale.init_params(SHAPE, LAYERS)
-    step, args = step_floor.build_floor(SHAPE, LAYERS, params32)
+    step, args = step_floor.build(name, SHAPE, LAYERS, params32)
     loss, datas, state = jax.jit(step)(*args)
     tokens, targets = cost_at_scale.batch(SHAPE)
     logits = cost_at_scale.model(SHAPE, LAYERS).apply({"params": params32}, tokens)
