@@ -128,10 +128,9 @@ def _statistic_terms(data: Array, kind: str) -> tuple[Array, Callable]:
     lax = jax.lax
     if kind == "zero_fraction":
         return lax.convert_element_type(binary(lax.eq, data, 0), np.float32), lax.add
-    wide = lax.convert_element_type(data, np.float32)
     if kind == "max":
-        return lax.abs(wide), lax.max
-    return _clamped_terms(wide, "l2"), lax.add
+        return lax.abs(lax.convert_element_type(data, np.float32)), lax.max
+    return _statistic_terms_of(data, "l2"), lax.add
 
 
 @functools.cache
@@ -144,7 +143,7 @@ def batched_statistics(datas: Sequence[Array], kinds: Sequence[str]) -> list[Arr
     """The statistic ``kinds[i]`` of each ``datas[i]``; those of one small shape in one (variadic) reduction.
 
     ``"max"``: the largest magnitude, in float32, exact; ``"mean_square"``: the mean of the
-    clamped squares of :func:`_one_pass_statistic`; ``"zero_fraction"``: the fraction of
+    squares of :func:`_statistic_terms_of`; ``"zero_fraction"``: the fraction of
     entries equal to 0. XLA compiles one variadic reduction as one kernel, where separate
     reductions are one kernel each. Tensors of more than :data:`VARIADIC_LIMIT` entries are
     reduced on their own: a variadic reduction holds all its operands in memory at once (the
@@ -417,13 +416,24 @@ def _rescale_whole(x: ScaledArray, norm: Norm) -> ScaledArray:
 _TERM_FLOOR, _TERM_CEILING = 2.0**-120, 2.0**100
 
 
-def _clamped_terms(data: Array, norm: str) -> Array:
-    """The terms of :func:`_one_pass_statistic` of float32 ``data`` (squares for ``"l2"``, magnitudes for ``"l1"``), clamped.
+def _statistic_terms_of(data: Array, norm: str) -> Array:
+    """The float32 terms of :func:`_one_pass_statistic` of ``data`` (squares for ``"l2"``, magnitudes for ``"l1"``).
 
+    Float16 and FP8 data need no clamp: each of their squares is within ``[2**-48,
+    2**32]``, inside the clamp's range, and their inf and nan stay what they are.
     Computed from ``data`` itself, a square needing no absolute value: a reduction of these
     terms beside the largest magnitude of the same data (:func:`batched_statistics`) shares
     no intermediate array with it, which XLA:CPU would otherwise write out and read back.
     """
+    lax = jax.lax
+    wide = lax.convert_element_type(data, np.float32)
+    if narrow_range(data.dtype):
+        return lax.square(wide) if norm == "l2" else lax.abs(wide)
+    return _clamped_terms(wide, norm)
+
+
+def _clamped_terms(data: Array, norm: str) -> Array:
+    """The terms of float32 ``data``, each clamped to ``[2**-120, 2**100]`` unless it is zero or not finite."""
     lax = jax.lax
     terms = lax.square(data) if norm == "l2" else lax.abs(data)
     floor = binary(lax.mul, lax.convert_element_type(binary(lax.ne, data, 0.0), data.dtype), _TERM_FLOOR)  # 0 for 0
@@ -432,12 +442,12 @@ def _clamped_terms(data: Array, norm: str) -> Array:
 
 
 def _one_pass_mean(data: Array, norm: str) -> Array:
-    """The mean of the clamped terms of :func:`_one_pass_statistic` (squares for ``"l2"``, magnitudes for ``"l1"``)."""
-    return jnp.sum(_clamped_terms(data, norm)) * np.float32(1 / max(data.size, 1))
+    """The mean of the terms of :func:`_statistic_terms_of` (squares for ``"l2"``, magnitudes for ``"l1"``)."""
+    return jnp.sum(_statistic_terms_of(data, norm)) * np.float32(1 / max(data.size, 1))
 
 
 def _one_pass_statistic(data: Array, norm: str) -> Array:
-    """The statistic ``norm`` of float32 ``data`` as one reduction, with no overflow or underflow.
+    """The statistic ``norm`` of ``data`` in float32 as one reduction, with no overflow or underflow.
 
     Each term of the sum, the square (``"l2"``) or the magnitude (``"l1"``) of an entry, is
     clamped to ``[2**-120, 2**100]`` unless the entry is zero or not finite (then the
@@ -451,7 +461,7 @@ def _one_pass_statistic(data: Array, norm: str) -> Array:
     dependent ones).
     """
     if norm == "max":
-        return jnp.max(jnp.abs(data))
+        return jnp.max(jnp.abs(data)).astype(np.float32)
     mean = _one_pass_mean(data, norm)
     return jnp.sqrt(mean) if norm == "l2" else mean
 
@@ -466,7 +476,7 @@ def _batch_statistics(samples: list[Array], norm: Norm, work, one_pass: bool) ->
     statistic of :func:`dynamic_rescale`.
     """
     if one_pass and not callable(norm) and np.dtype(work) == np.float32:
-        return [_one_pass_statistic(d.astype(work), norm) for d in samples]
+        return [_one_pass_statistic(d, norm) for d in samples]
     norm_fn = norm_function(norm)
     return [norm_fn(d.astype(work)) for d in samples]
 
