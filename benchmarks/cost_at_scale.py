@@ -27,7 +27,10 @@ all in one process, on the same initial parameters and batch of integer tokens:
   every scale of the state a trace-time constant (the step closes over the scales and takes
   the data): the scale arithmetic that depends on the state's scales folds in Python. A
   diagnostic of what cheaper scale arithmetic could reach at best, not a step that trains
-  (its scales never change).
+  (its scales never change);
+- ``scalify_fp16_no_<component>`` (only when named; ``<component>`` one of
+  :data:`POLICY_SITES`): the README recipe with that component of the default policy
+  switched off: one site family's share of the recipe's cost.
 
 Columns (counts are exact; times and ratios compare only within one run):
 
@@ -120,8 +123,10 @@ class Variant:
     static: bool = False
     fp8: bool = False
     constant_scales: bool = False
+    without: str | None = None  # a component of the default rescale policy switched off
 
 
+POLICY_SITES = ("gradients", "outputs", "contractions", "self_products")
 VARIANTS = {
     "plain_fp32": Variant(jnp.float32, False, "plain_fp32"),
     "plain_fp16": Variant(jnp.float16, False, "plain_fp32"),
@@ -130,8 +135,9 @@ VARIANTS = {
     "scalify_fp16_static": Variant(jnp.float16, True, "plain_fp16", static=True),
     "scalify_fp8": Variant(jnp.float16, True, "plain_fp16", fp8=True),
     "scalify_fp16_floor": Variant(jnp.float16, True, "plain_fp16", static=True, constant_scales=True),
+    **{f"scalify_fp16_no_{site}": Variant(jnp.float16, True, "plain_fp16", without=site) for site in POLICY_SITES},
 }
-DEFAULT_VARIANTS = [name for name, variant in VARIANTS.items() if not variant.constant_scales]
+DEFAULT_VARIANTS = [name for name, v in VARIANTS.items() if not v.constant_scales and v.without is None]
 
 
 def model(shape: Shape, layers: int, fp8: bool = False) -> gpt_linen.GPT:
@@ -162,14 +168,22 @@ def build(name: str, shape: Shape, layers: int, params: Any, gradients: bool = F
     state = train_state.TrainState.create(apply_fn=model(shape, layers, variant.fp8).apply, params=params, tx=tx)
     if variant.scalify:
         state = recipe.scale_state(state, variant.dtype)
-        policy = {"policy": jsa.RescalePolicy.static()} if variant.static else {}  # else: what users get
-        step = jsa.scalify(fn, **policy)
+        step = jsa.scalify(fn, **_policy(variant))
         if variant.constant_scales:
             return _with_constant_scales(step, state, shape)
     else:
         state = jax.tree.map(lambda x: x.astype(variant.dtype) if recipe.is_floating_array(x) else x, state)
         step = fn
     return step, (state, *batch(shape))
+
+
+def _policy(variant: Variant) -> dict:
+    """``jsa.scalify``'s policy argument for ``variant``: none (what users get) unless it says otherwise."""
+    if variant.static:
+        return {"policy": jsa.RescalePolicy.static()}
+    if variant.without is not None:
+        return {"policy": jsa.RescalePolicy(**{variant.without: False})}
+    return {}
 
 
 def _with_constant_scales(step: Callable, state: Any, shape: Shape) -> tuple[Callable, tuple]:

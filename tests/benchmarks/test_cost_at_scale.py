@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import pytest
 
 from benchmarks import cost_at_scale
@@ -85,3 +86,17 @@ def test_split_into_the_gradient_step_and_the_update(capsys):
     assert scaled["grads_compile_ratio"] > 0 and scaled["update_compile_ratio"] is not None
     step, _ = cost_at_scale.build("plain_fp16", cost_at_scale.TINY, 0, cost_at_scale.init_params(cost_at_scale.TINY, 0))
     assert step is cost_at_scale.gpt_linen.train_step
+
+
+def test_policy_site_variants_switch_one_component_of_the_default_policy_off():
+    """Opt-in: ``scalify_fp16_no_<site>`` is the README recipe with one component off (traced, not compiled)."""
+    assert not any(name.startswith("scalify_fp16_no_") for name in cost_at_scale.DEFAULT_VARIANTS)
+    for site in cost_at_scale.POLICY_SITES:
+        variant = cost_at_scale.VARIANTS[f"scalify_fp16_no_{site}"]
+        assert cost_at_scale._policy(variant) == {"policy": cost_at_scale.jsa.RescalePolicy(**{site: False})}
+    params = cost_at_scale.init_params(cost_at_scale.TINY, 0)
+    counts = {}
+    for name in ("scalify_fp16", "scalify_fp16_no_outputs"):
+        step, args = cost_at_scale.build(name, cost_at_scale.TINY, 0, params)
+        counts[name] = cost_at_scale.jaxpr_counts(jax.make_jaxpr(step)(*args).jaxpr)
+    assert counts["scalify_fp16_no_outputs"]["reductions"] < counts["scalify_fp16"]["reductions"]
