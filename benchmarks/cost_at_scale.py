@@ -53,10 +53,11 @@ Columns (counts are exact; times and ratios compare only within one run):
   the model's part), the rest of the full step's (``compile_total_cpu_s`` minus it: the
   optimizer's update and ``apply_gradients``), each against the same split of the baseline
   (measured only when the baseline is a selected variant);
-- ``H100 kernels``, ``H100 GEMMs``, ``H100 FP8 GEMMs``, ``H100 compile s`` (``--deviceless``):
-  fusions and custom calls of the entry computation, cuBLAS/Triton GEMMs (all, and those
-  reading FP8 operands) of the step compiled for an H100 without a device, XLA's defaults (no
-  autotuning), and the CPU seconds of trace, lowering and compilation for it. Needs JAX's CUDA
+- ``H100 kernels``, ``H100 GEMMs``, ``H100 FP8 GEMMs``, ``H100 temp MiB``, ``H100 compile s``
+  (``--deviceless``): fusions and custom calls of the entry computation, cuBLAS/Triton GEMMs
+  (all, and those reading FP8 operands) of the step compiled for an H100 without a device,
+  XLA's defaults (no autotuning), its temporary buffers, and the CPU seconds of trace,
+  lowering and compilation for it. Needs JAX's CUDA
   plugin, which installs without a GPU (``pip install jax-cuda12-plugin jax-cuda12-pjrt``,
   about 180 MB, is enough; ``jax[cuda12]`` also brings the CUDA libraries); see
   :mod:`benchmarks.h100`.
@@ -245,6 +246,7 @@ def deviceless(step: Callable, args: tuple, sharding: Any) -> dict:
         "h100_kernels": len(entry_kernels(hlo)),
         "h100_gemms": len(calls),
         "h100_fp8_gemms": sum(c.is_fp8 for c in calls),
+        "h100_temp_bytes": int(stages.compiled.memory_analysis().temp_size_in_bytes),
         "h100_compile_total_cpu_s": sum(stages.cpu.values()),
     }
 
@@ -325,6 +327,7 @@ COLUMNS = (
     ("H100 kernels", "h100_kernels", "d"),
     ("H100 GEMMs", "h100_gemms", "d"),
     ("H100 FP8 GEMMs", "h100_fp8_gemms", "d"),
+    ("H100 temp MiB", "h100_temp_mib", ".1f"),
     ("H100 compile s", "h100_compile_total_cpu_s", ".2f"),
 )
 
@@ -335,8 +338,13 @@ def table(rows: list[dict], runtime: bool, h100: bool, split: bool = False) -> s
     skip |= set() if split else {key for _, key, _ in COLUMNS if key.startswith(("grads", "update"))}
     skip |= set() if h100 else {key for _, key, _ in COLUMNS if key.startswith("h100")}
     columns = [c for c in COLUMNS if c[1] not in skip]
-    mib = lambda row: {"temp_mib": row["temp_bytes"] / 2**20} if row.get("temp_bytes") is not None else {}  # noqa: E731
-    return markdown_table([{**row, **mib(row)} for row in rows], columns)
+    return markdown_table([{**row, **_mib(row)} for row in rows], columns)
+
+
+def _mib(row: dict) -> dict:
+    """The row's byte counts (``temp_bytes``, ``h100_temp_bytes``) in MiB, where measured."""
+    keys = ("temp", "h100_temp")
+    return {f"{k}_mib": row[f"{k}_bytes"] / 2**20 for k in keys if row.get(f"{k}_bytes") is not None}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -33,7 +33,8 @@ warmup-cosine schedule, the new parameters and optimizer state):
 Columns (x plain: against ``plain_fp16`` in the same run): jaxpr equations, statistics
 (reductions beyond plain's), XLA:CPU fusions, XLA's temporary buffers, trace + lower +
 compile CPU seconds (cold caches), milliseconds per step (interleaved medians) and, with
-``--deviceless`` and ``jax[cuda12]`` installed, the kernels of the step compiled for an H100.
+``--deviceless`` and ``jax[cuda12]`` installed, the kernels and temporary buffers of the step
+compiled for an H100.
 Counts and bytes are exact; times compare only within one run.
 """
 
@@ -137,8 +138,17 @@ def run(
     base = rows["plain_fp16"]
     for row in rows.values():
         row["statistics"] = row["reductions"] - base["reductions"]
-        row["temp_mib"] = row["temp_bytes"] / 2**20 if row.get("temp_bytes") is not None else None
-        for key in ("eqns", "fusions", "temp_bytes", "compile_total_cpu_s", "step_ms", "h100_kernels"):
+        for key in ("temp", "h100_temp"):
+            row[f"{key}_mib"] = row[f"{key}_bytes"] / 2**20 if row.get(f"{key}_bytes") is not None else None
+        for key in (
+            "eqns",
+            "fusions",
+            "temp_bytes",
+            "compile_total_cpu_s",
+            "step_ms",
+            "h100_kernels",
+            "h100_temp_bytes",
+        ):
             if row.get(key) is not None and base.get(key):
                 row[f"{key}_ratio"] = row[key] / base[key]
     return [rows[name] for name in names]
@@ -161,6 +171,8 @@ COLUMNS = (
     ("x plain", "step_ms_ratio", ".2f"),
     ("H100 kernels", "h100_kernels", "d"),
     ("x plain", "h100_kernels_ratio", ".2f"),
+    ("H100 temp MiB", "h100_temp_mib", ".1f"),
+    ("x plain", "h100_temp_bytes_ratio", ".2f"),
 )
 
 

@@ -53,8 +53,8 @@ def test_deviceless_columns_or_reason(capsys):
     if "deviceless H100 compilation unavailable" in out:  # JAX's CUDA plugin is not installed
         assert "H100 kernels" not in header and "h100_kernels" not in rows[0]
     else:
-        assert {"H100 kernels", "H100 GEMMs", "H100 FP8 GEMMs", "H100 compile s"} <= set(header)
-        assert rows[0]["h100_kernels"] > 0 and rows[0]["h100_gemms"] == 3
+        assert {"H100 kernels", "H100 GEMMs", "H100 FP8 GEMMs", "H100 temp MiB", "H100 compile s"} <= set(header)
+        assert rows[0]["h100_kernels"] > 0 and rows[0]["h100_gemms"] == 3 and rows[0]["h100_temp_bytes"] > 0
 
 
 @pytest.mark.slow  # for time: an option of the benchmark; tests/benchmarks/test_step_floor.py checks the floor's folding by default
