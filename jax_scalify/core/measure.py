@@ -419,17 +419,23 @@ _TERM_FLOOR, _TERM_CEILING = 2.0**-120, 2.0**100
 def _statistic_terms_of(data: Array, norm: str) -> Array:
     """The float32 terms of :func:`_one_pass_statistic` of ``data`` (squares for ``"l2"``, magnitudes for ``"l1"``).
 
-    Float16 and FP8 data need no clamp: each of their squares is within ``[2**-48,
-    2**32]``, inside the clamp's range, and their inf and nan stay what they are.
+    Data whose every square lies inside the clamp's range need no clamp (float16: within
+    ``[2**-48, 2**32]``; FP8 narrower still), and their inf and nan stay what they are.
     Computed from ``data`` itself, a square needing no absolute value: a reduction of these
     terms beside the largest magnitude of the same data (:func:`batched_statistics`) shares
     no intermediate array with it, which XLA:CPU would otherwise write out and read back.
     """
     lax = jax.lax
     wide = lax.convert_element_type(data, np.float32)
-    if narrow_range(data.dtype):
+    if _squares_within_term_range(data.dtype):
         return lax.square(wide) if norm == "l2" else lax.abs(wide)
     return _clamped_terms(wide, norm)
+
+
+def _squares_within_term_range(dtype: Any) -> bool:
+    """Whether every square of a finite, non-zero value of the floating ``dtype`` is within ``[2**-120, 2**100]``."""
+    info = jnp.finfo(dtype)
+    return 2 * int(info.maxexp) <= 100 and float(info.smallest_subnormal) ** 2 >= _TERM_FLOOR
 
 
 def _clamped_terms(data: Array, norm: str) -> Array:
