@@ -338,10 +338,10 @@ def table(rows: list[dict], runtime: bool, h100: bool, split: bool = False) -> s
     skip |= set() if split else {key for _, key, _ in COLUMNS if key.startswith(("grads", "update"))}
     skip |= set() if h100 else {key for _, key, _ in COLUMNS if key.startswith("h100")}
     columns = [c for c in COLUMNS if c[1] not in skip]
-    return markdown_table([{**row, **_mib(row)} for row in rows], columns)
+    return markdown_table([{**row, **mib_columns(row)} for row in rows], columns)
 
 
-def _mib(row: dict) -> dict:
+def mib_columns(row: dict) -> dict:
     """The row's byte counts (``temp_bytes``, ``h100_temp_bytes``) in MiB, where measured."""
     keys = ("temp", "h100_temp")
     return {f"{k}_mib": row[f"{k}_bytes"] / 2**20 for k in keys if row.get(f"{k}_bytes") is not None}

@@ -138,8 +138,7 @@ def run(
     base = rows["plain_fp16"]
     for row in rows.values():
         row["statistics"] = row["reductions"] - base["reductions"]
-        for key in ("temp", "h100_temp"):
-            row[f"{key}_mib"] = row[f"{key}_bytes"] / 2**20 if row.get(f"{key}_bytes") is not None else None
+        row.update(cost_at_scale.mib_columns(row))
         for key in (
             "eqns",
             "fusions",
