@@ -130,7 +130,7 @@ def _statistic_terms(data: Array, kind: str) -> tuple[Array, Callable]:
         return lax.convert_element_type(binary(lax.eq, data, 0), np.float32), lax.add
     if kind == "max":
         return lax.abs(lax.convert_element_type(data, np.float32)), lax.max
-    return _statistic_terms_of(data, "l2"), lax.add
+    return _norm_terms(data, "l2"), lax.add
 
 
 @functools.cache
@@ -143,7 +143,7 @@ def batched_statistics(datas: Sequence[Array], kinds: Sequence[str]) -> list[Arr
     """The statistic ``kinds[i]`` of each ``datas[i]``; those of one small shape in one (variadic) reduction.
 
     ``"max"``: the largest magnitude, in float32, exact; ``"mean_square"``: the mean of the
-    squares of :func:`_statistic_terms_of`; ``"zero_fraction"``: the fraction of
+    squares of :func:`_norm_terms`; ``"zero_fraction"``: the fraction of
     entries equal to 0. XLA compiles one variadic reduction as one kernel, where separate
     reductions are one kernel each. Tensors of more than :data:`VARIADIC_LIMIT` entries are
     reduced on their own: a variadic reduction holds all its operands in memory at once (the
@@ -416,7 +416,7 @@ def _rescale_whole(x: ScaledArray, norm: Norm) -> ScaledArray:
 _TERM_FLOOR, _TERM_CEILING = 2.0**-120, 2.0**100
 
 
-def _statistic_terms_of(data: Array, norm: str) -> Array:
+def _norm_terms(data: Array, norm: str) -> Array:
     """The float32 terms of :func:`_one_pass_statistic` of ``data`` (squares for ``"l2"``, magnitudes for ``"l1"``).
 
     Data whose every square lies inside the clamp's range need no clamp (float16: within
@@ -448,8 +448,8 @@ def _clamped_terms(data: Array, norm: str) -> Array:
 
 
 def _one_pass_mean(data: Array, norm: str) -> Array:
-    """The mean of the terms of :func:`_statistic_terms_of` (squares for ``"l2"``, magnitudes for ``"l1"``)."""
-    return jnp.sum(_statistic_terms_of(data, norm)) * np.float32(1 / max(data.size, 1))
+    """The mean of the terms of :func:`_norm_terms` (squares for ``"l2"``, magnitudes for ``"l1"``)."""
+    return jnp.sum(_norm_terms(data, norm)) * np.float32(1 / max(data.size, 1))
 
 
 def _one_pass_statistic(data: Array, norm: str) -> Array:
