@@ -130,6 +130,8 @@ def _statistic_terms(data: Array, kind: str) -> tuple[Array, Callable]:
         return lax.convert_element_type(binary(lax.eq, data, 0), np.float32), lax.add
     if kind == "max":
         return lax.abs(lax.convert_element_type(data, np.float32)), lax.max
+    if kind == "exact_mean_square":
+        return lax.square(lax.convert_element_type(data, np.float32)), lax.add
     return _norm_terms(data, "l2"), lax.add
 
 
@@ -143,9 +145,11 @@ def batched_statistics(datas: Sequence[Array], kinds: Sequence[str]) -> list[Arr
     """The statistic ``kinds[i]`` of each ``datas[i]``; those of one small shape in one (variadic) reduction.
 
     ``"max"``: the largest magnitude, in float32, exact; ``"mean_square"``: the mean of the
-    squares of :func:`_norm_terms`; ``"zero_fraction"``: the fraction of
-    entries equal to 0. XLA compiles one variadic reduction as one kernel, where separate
-    reductions are one kernel each. Tensors of more than :data:`VARIADIC_LIMIT` entries are
+    squares of :func:`_norm_terms`; ``"exact_mean_square"``: the mean of the plain float32
+    squares (inf where their sum overflows, 0 where they all underflow: read beside the
+    largest magnitude, which tells these apart, :func:`_mean_beside_largest`);
+    ``"zero_fraction"``: the fraction of entries equal to 0. XLA compiles one variadic
+    reduction as one kernel, where separate reductions are one kernel each. Tensors of more than :data:`VARIADIC_LIMIT` entries are
     reduced on their own: a variadic reduction holds all its operands in memory at once (the
     float32 moments of every same-shaped weight of a model), and XLA:CPU runs it as a
     sequential loop, which for a sum is about ten times slower than a sum of its own. Arrays
@@ -782,17 +786,36 @@ def rescaled_into_narrow(x: ScaledArray, dtype: Any, norm: Norm, sample_size: in
     the same reduction (:func:`batched_statistics`) and, unlike a sample, cannot miss the few
     entries that carry the tensor (a sampled RMS far below the tensor's leaves narrow data
     that the products after the sum overflow). The largest entry is kept at most half the
-    dtype's largest power of two. Other statistics and roundings take the sampled rescale of
-    the policy, then the bound.
+    dtype's largest power of two. Zero data and data holding inf or nan keep their scale.
+    The squares are plain, with no clamp per entry: the largest magnitude guards the
+    statistic (:func:`_mean_beside_largest`), and plain squares are what XLA reads straight
+    from the producer of ``x`` (a clamp per entry makes XLA write out a float32 copy of the
+    terms). Other statistics and roundings take the sampled rescale of the policy, then the
+    bound.
     """
     mode = get_scalify_config().rounding_mode
     if not (_pow2_rms_applies([x], norm, None, mode, np.float32) and np.size(x.data) > 0):
         return narrowed_within_range(rescale_scaled_arrays([x], norm, sample_size)[0], dtype)
     data = jax.lax.convert_element_type(jax.lax.stop_gradient(x.data), np.float32)
-    mean, largest = batched_statistics([data, data], ["mean_square", "max"])
+    mean, largest = batched_statistics([data, data], ["exact_mean_square", "max"])
+    mean = _mean_beside_largest(mean, largest)
     peak = binary(jax.lax.min, binary(jax.lax.mul, largest, float(1 / narrow_limit(dtype))), 2.0**60)
     out = _moved_by(x, _pow2_rms_of_means(mean, mode == Pow2RoundMode.UP, peak))
     return ScaledArray(out.data.astype(dtype), out.scale)
+
+
+def _mean_beside_largest(mean: Array, largest: Array) -> Array:
+    """The ``"exact_mean_square"`` of data made ready for :func:`_pow2_rms_of_means` by the data's largest magnitude.
+
+    0 (the scale is kept) where ``largest`` is 0 or not finite. Otherwise at least
+    ``2**-126``: squares that all underflowed (data below ``2**-63``) move the data up by
+    ``2**63``, towards unit size; a sum of squares beyond float32's range leaves the factor
+    to the bound on the largest entry.
+    """
+    lax = jax.lax
+    nonzero_and_finite = lax.bitwise_and(lax.gt(largest, np.float32(0)), lax.lt(largest, np.float32(np.inf)))
+    finite_mean = _select(lax.lt(mean, np.float32(np.inf)), mean, 0)
+    return _select(nonzero_and_finite, lax.max(finite_mean, _F32_TINY), 0)
 
 
 STORAGE_TOP_EXPONENT = 14
