@@ -149,12 +149,12 @@ def batched_statistics(datas: Sequence[Array], kinds: Sequence[str]) -> list[Arr
     squares (inf where their sum overflows, 0 where they all underflow: read beside the
     largest magnitude, which tells these apart, :func:`_mean_beside_largest`);
     ``"zero_fraction"``: the fraction of entries equal to 0. XLA compiles one variadic
-    reduction as one kernel, where separate reductions are one kernel each. Tensors of more than :data:`VARIADIC_LIMIT` entries are
-    reduced on their own: a variadic reduction holds all its operands in memory at once (the
-    float32 moments of every same-shaped weight of a model), and XLA:CPU runs it as a
-    sequential loop, which for a sum is about ten times slower than a sum of its own. Arrays
-    sharded differently in their types are not reduced together (the partitioner would
-    reshard one of them).
+    reduction as one kernel, where separate reductions are one kernel each. Tensors of more
+    than :data:`VARIADIC_LIMIT` entries are reduced on their own: a variadic reduction holds
+    all its operands in memory at once (the float32 moments of every same-shaped weight of a
+    model), and XLA:CPU runs it as a sequential loop, which for a sum is about ten times
+    slower than a sum of its own. Arrays sharded differently in their types are not reduced
+    together (the partitioner would reshard one of them).
     """
     by_shape: dict[tuple, list[int]] = {}
     for i, d in enumerate(datas):
